@@ -1,0 +1,29 @@
+"""Typed errors: every failure a caller can cause has its own class, so callers can catch precisely."""
+
+
+class PocketJaxError(Exception):
+    """Base class of every error pocketjax raises on purpose."""
+
+
+class ConfigError(PocketJaxError, ValueError):
+    """A model or engine configuration is unsupported, missing a field, or contradicts itself."""
+
+
+class CheckpointError(PocketJaxError):
+    """A checkpoint folder or file is missing, truncated, corrupt, or does not match its config."""
+
+
+class RequestError(PocketJaxError, ValueError):
+    """A request is invalid: empty or too long prompt, token outside the vocabulary, unknown id."""
+
+
+class SamplingError(RequestError):
+    """A sampling parameter is out of its documented range."""
+
+
+class CapacityError(PocketJaxError):
+    """No free slot, or the waiting queue is full: retry later or raise the limit."""
+
+
+class CancelledError(PocketJaxError):
+    """The request was cancelled before it produced a result."""
