@@ -1,0 +1,231 @@
+"""Hugging Face checkpoint folder -> params pytree, read lazily from memory-mapped safetensors.
+
+The safetensors format is parsed here (8-byte header length, JSON header, raw little-endian data) rather than
+through `safetensors.numpy`, because numpy has no bfloat16 and because owning the parser lets every truncated or
+corrupt file fail with a CheckpointError that names it. Nothing is ever unpickled.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from .config import ModelConfig
+from .errors import CheckpointError
+
+SAFETENSORS_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class SafetensorsFile:
+    """One memory-mapped .safetensors file; `tensor(name)` is a zero-copy, read-only numpy view."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot open {self.path}: {e}") from e
+        self.header = self._parse_header()
+
+    def _parse_header(self) -> dict[str, dict[str, Any]]:
+        size = len(self._mmap)
+        if size < 8:
+            raise CheckpointError(f"{self.path} is truncated: {size} bytes, no header")
+        (n,) = struct.unpack("<Q", self._mmap[:8])
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise CheckpointError(f"{self.path} is truncated or corrupt: header claims {n} bytes, file has {size}")
+        try:
+            header = json.loads(bytes(self._mmap[8 : 8 + n]))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{self.path} has a corrupt header: {e}") from e
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{self.path} has a corrupt header: not a JSON object")
+        header.pop("__metadata__", None)
+        self._data_start = 8 + n
+        for name, info in header.items():
+            try:
+                dtype = SAFETENSORS_DTYPES[info["dtype"]]
+                begin, end = info["data_offsets"]
+                count = int(np.prod(info["shape"], dtype=np.int64))
+            except (KeyError, TypeError, ValueError) as e:
+                raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r}") from e
+            if end - begin != count * dtype.itemsize or begin < 0:
+                raise CheckpointError(f"{self.path}: tensor {name!r} has inconsistent offsets for its shape")
+            if self._data_start + end > size:
+                raise CheckpointError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
+        return header
+
+    def keys(self) -> list[str]:
+        return list(self.header)
+
+    def tensor(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[info["dtype"]]
+        buf = memoryview(self._mmap)[self._data_start + begin : self._data_start + end]
+        return np.frombuffer(buf, dtype=dtype).reshape(info["shape"])
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write tensors in the safetensors format (used by tests and the embedded-model trainer)."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for name, array in tensors.items():
+        array = np.ascontiguousarray(array)
+        header[name] = {
+            "dtype": DTYPE_NAMES[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+        arrays.append(array)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for array in arrays:
+            f.write(array.tobytes())
+
+
+def open_checkpoint(folder: str | Path) -> dict[str, SafetensorsFile]:
+    """Map every tensor name of a checkpoint folder (single file or sharded index) to its open file."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{index} is corrupt: {e}") from e
+        files = {name: SafetensorsFile(folder / name) for name in sorted(set(weight_map.values()))}
+        for name, file in weight_map.items():
+            if name not in files[file].header:
+                raise CheckpointError(f"tensor {name!r} is listed in {index.name} but missing from {file}")
+        return {name: files[file] for name, file in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        candidates = sorted(folder.glob("*.safetensors"))
+        if not candidates:
+            raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}")
+        files = [SafetensorsFile(p) for p in candidates]
+    else:
+        files = [SafetensorsFile(single)]
+    return {name: f for f in files for name in f.keys()}
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape, for every tensor the config implies (the checkpoint must hold exactly these)."""
+    h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (v, h)
+    for n in range(config.num_layers):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if config.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                       p + "self_attn.v_proj.bias": (kv,)}
+            if config.model_type == "qwen3":
+                shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
+    return shapes
+
+
+# Our param name -> (HF suffix, transpose?). Linear weights are stored [in, out] so activations do `x @ w`.
+LAYER_TENSORS = {
+    "input_norm": ("input_layernorm.weight", False),
+    "post_norm": ("post_attention_layernorm.weight", False),
+    "q": ("self_attn.q_proj.weight", True),
+    "k": ("self_attn.k_proj.weight", True),
+    "v": ("self_attn.v_proj.weight", True),
+    "o": ("self_attn.o_proj.weight", True),
+    "q_bias": ("self_attn.q_proj.bias", False),
+    "k_bias": ("self_attn.k_proj.bias", False),
+    "v_bias": ("self_attn.v_proj.bias", False),
+    "o_bias": ("self_attn.o_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "gate": ("mlp.gate_proj.weight", True),
+    "up": ("mlp.up_proj.weight", True),
+    "down": ("mlp.down_proj.weight", True),
+}
+
+# Placer: receives our param path (e.g. ("layers", 3, "q")) and the host array in its final layout and dtype;
+# returns the device array. The default is jax.device_put; tensor parallelism passes one that shards.
+Placer = Callable[[tuple, np.ndarray], Any]
+
+
+def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Iterator[tuple[tuple, np.ndarray]]:
+    """Yield (param path, host array) one tensor at a time, validated against the config."""
+    tensors = open_checkpoint(folder)
+    shapes = expected_shapes(config)
+    tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    unexpected = sorted(set(tensors) - set(shapes) - tied_extra)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor(s) in checkpoint: {', '.join(unexpected[:5])}")
+    missing = sorted(set(shapes) - set(tensors))
+    if missing:
+        raise CheckpointError(f"missing tensor(s) in checkpoint: {', '.join(missing[:5])}")
+
+    def read(name: str, transpose: bool = False) -> np.ndarray:
+        array = tensors[name].tensor(name)
+        if tuple(array.shape) != shapes[name]:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, config implies {shapes[name]}")
+        array = array.T if transpose else array
+        return np.ascontiguousarray(array, dtype=dtype)
+
+    yield ("embed",), read("model.embed_tokens.weight")
+    for n in range(config.num_layers):
+        for ours, (suffix, transpose) in LAYER_TENSORS.items():
+            name = f"model.layers.{n}.{suffix}"
+            if name in shapes:
+                yield ("layers", n, ours), read(name, transpose)
+    yield ("final_norm",), read("model.norm.weight")
+    if not config.tie_word_embeddings:
+        yield ("lm_head",), read("lm_head.weight", transpose=True)
+
+
+def load_params(folder: str | Path, config: ModelConfig, dtype: np.dtype, place: Placer) -> dict[str, Any]:
+    """The params pytree: {'embed', 'layers': [per-layer dicts], 'final_norm', 'lm_head'?}, placed tensor by tensor."""
+    params: dict[str, Any] = {"layers": [{} for _ in range(config.num_layers)]}
+    for path, array in iter_params(folder, config, dtype):
+        value = place(path, array)
+        if path[0] == "layers":
+            params["layers"][path[1]][path[2]] = value
+        else:
+            params[path[0]] = value
+        del array
+    return params

@@ -1,0 +1,381 @@
+"""Engine: the slotted KV cache and the seed's batch API over two jitted, cache-donating step functions.
+
+The host side only moves small integer arrays per step; the forward pass, sampling and penalty bookkeeping run
+inside one device call. Every shape is bucketed by `buckets()` so a steady workload never recompiles.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import EngineConfig, ModelConfig
+from .errors import CapacityError, ConfigError, RequestError
+from .kv_cache import KVCache, copy_prefix, init_cache
+from .layers import resolve_impl
+from .model import Model, decode_forward, prefill_forward
+from .sampling import MAX_LOGPROBS, SampleOutput, SamplingArrays, SamplingParams, pack_sampling, sample
+
+
+@dataclass
+class BatchedRequest:
+    """One request as the engine sees it; the engine fills slot_id .. finish_reason as it runs."""
+
+    request_id: Any
+    prompt_tokens: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    slot_id: int | None = None
+    cached_prefix_len: int = 0
+    generated_tokens: list[int] = field(default_factory=list)
+    last_token: int | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    num_prefilled: int = 0  # prompt tokens whose K/V are in the slot (cached prefix included)
+    seed: int | None = None  # resolved seed (sampling.seed, or drawn by the engine)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request: generated token ids, their text (when a tokenizer is at hand), and why it stopped."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    request_id: Any = None
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class EngineState:
+    """Everything the engine keeps on device, donated through every step: the cache and the penalty state."""
+
+    cache: KVCache
+    prompt_mask: jax.Array  # bool [slots, vocab]: tokens of each slot's prompt (repetition penalty)
+    output_counts: jax.Array  # int32 [slots, vocab]: generated-token counts (presence/frequency penalty)
+
+
+def bucket(n: int, smallest: int, largest: int) -> int:
+    """The compiled size for n: the next power of two >= max(n, smallest), capped at `largest`."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return min(size, largest)
+
+
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "num_top"), donate_argnames=("state",))
+def prefill_step(params, state: EngineState, tokens, slots, starts, lengths, final, prompt_masks,
+                 sampling: SamplingArrays, *, config: ModelConfig, impl: str, kv_len: int, num_top: int
+                 ) -> tuple[EngineState, SampleOutput]:
+    """Prefill one chunk per row and sample the first token of rows whose prompt ends in this chunk (`final`).
+
+    Final rows get their slot's penalty state reset: prompt mask from the host, output counts = the new token.
+    """
+    cache, logits = prefill_forward(params, config, impl, kv_len, state.cache, tokens, slots, starts, lengths)
+    zeros = jnp.zeros(prompt_masks.shape, jnp.int32)
+    out = sample(logits, sampling, prompt_masks, zeros, jnp.zeros_like(slots), num_top=num_top)
+    rows = jnp.where(final, slots, cache.num_slots)
+    mask = state.prompt_mask.at[rows].set(prompt_masks, mode="drop")
+    counts = state.output_counts.at[rows].set(0, mode="drop").at[rows, out.tokens].add(1, mode="drop")
+    return EngineState(cache, mask, counts), out
+
+
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "num_top", "dense"), donate_argnames=("state",))
+def decode_step(params, state: EngineState, tokens, slots, positions, active, steps, sampling: SamplingArrays,
+                *, config: ModelConfig, impl: str, kv_len: int, num_top: int, dense: bool
+                ) -> tuple[EngineState, SampleOutput]:
+    """One token for every row. `dense`: row i is slot i for every slot, so attention reads the cache in place."""
+    cache, logits = decode_forward(params, config, impl, kv_len, state.cache, tokens, slots, positions, active,
+                                   dense=dense)
+    out = sample(logits, sampling, state.prompt_mask[slots], state.output_counts[slots], steps, num_top=num_top)
+    rows = jnp.where(active, slots, cache.num_slots)
+    counts = state.output_counts.at[rows, out.tokens].add(1, mode="drop")
+    return EngineState(cache, state.prompt_mask, counts), out
+
+
+@partial(jax.jit, donate_argnames=("state",))
+def copy_slot_prefix(state: EngineState, src, dst, length) -> EngineState:
+    """Copy the first `length` cached positions of slot src into slot dst (a shared prompt prefix)."""
+    return EngineState(copy_prefix(state.cache, src, dst, length), state.prompt_mask, state.output_counts)
+
+
+def read_eos_ids(model: Model) -> frozenset[int]:
+    """EOS ids from generation_config.json (what generate() uses) and config.json."""
+    ids = set(model.config.eos_token_ids)
+    if model.path:
+        gen = Path(model.path) / "generation_config.json"
+        if gen.exists():
+            eos = json.loads(gen.read_text()).get("eos_token_id")
+            ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return frozenset(ids)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class Engine:
+    """Slots + jitted batch prefill / decode over one model: the seed's batch API.
+
+    A slot that is freed keeps its cached tokens until it is reused, so a follow-up request that starts with the
+    same tokens (the next turn of a conversation, a shared system prompt) skips recomputing them.
+    """
+
+    def __init__(self, model: Model, max_batch_size: int = 8, max_seq_len: int = 2048, prefill_chunk: int = 512,
+                 attention_impl: str = "auto", seed: int = 0, config: EngineConfig | None = None):
+        self.model = model
+        self.config = config or EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                             prefill_chunk=prefill_chunk, attention_impl=attention_impl)
+        self.config.validate()
+        self.impl = resolve_impl(self.config.attention_impl)
+        self.eos_ids = read_eos_ids(model)
+        self.rng = np.random.default_rng(seed)
+        self.state: EngineState | None = None
+        self.slot_of: dict[Any, int] = {}
+        self.allocate_batch_slots(self.config.max_batch_size)
+
+    # ---- slots -------------------------------------------------------------------------------------------------
+    def supports_batching(self) -> bool:
+        return True
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.slot_tokens)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    def allocate_batch_slots(self, n: int) -> None:
+        """(Re)allocate the KV cache with n slots; refused while any slot is held."""
+        if not isinstance(n, int) or n < 1:
+            raise ConfigError(f"number of slots must be a positive integer, got {n!r}")
+        if self.slot_of:
+            raise CapacityError(f"cannot reallocate slots while {len(self.slot_of)} are held")
+        c = self.model.config
+        self.state = None  # drop the old cache before allocating the new one
+        cache = init_cache(c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, self.model.dtype)
+        if self.model.mesh is not None:
+            from .sharding import shard_cache
+            cache = shard_cache(cache, self.model.mesh)
+        self.state = EngineState(cache, jnp.zeros((n, c.vocab_size), bool), jnp.zeros((n, c.vocab_size), jnp.int32))
+        self.slot_tokens: list[list[int]] = [[] for _ in range(n)]
+        self.free_slots: list[int] = list(range(n))  # least recently freed first
+
+    def allocate_slot(self, request: BatchedRequest | Any) -> int:
+        """Hold a free slot for a request (a BatchedRequest or its id); returns the slot id.
+
+        Given a BatchedRequest, prefers the free slot already holding the longest prefix of its prompt, copies a
+        longer prefix from any other slot on device, and sets `cached_prefix_len` accordingly.
+        """
+        req = request if isinstance(request, BatchedRequest) else None
+        request_id = req.request_id if req else request
+        if request_id in self.slot_of:
+            raise RequestError(f"request_id {request_id!r} already holds slot {self.slot_of[request_id]}")
+        if not self.free_slots:
+            raise CapacityError(f"no free slot: all {self.num_slots} slots are held")
+        slot = self.free_slots[0]
+        prefix = 0
+        if req is not None:
+            prompt = list(req.prompt_tokens)
+            matches = {s: min(common_prefix(self.slot_tokens[s], prompt), len(prompt) - 1) for s in self.free_slots}
+            slot = max(self.free_slots, key=lambda s: matches[s])  # max keeps the first (LRU) on ties
+            prefix = matches[slot]
+            donor = max(range(self.num_slots), key=lambda s: common_prefix(self.slot_tokens[s], prompt))
+            donor_len = min(common_prefix(self.slot_tokens[donor], prompt), len(prompt) - 1)
+            if donor_len > prefix:
+                self.state = copy_slot_prefix(self.state, np.int32(donor), np.int32(slot), np.int32(donor_len))
+                prefix = donor_len
+            prefix = max(prefix, 0)
+            self.slot_tokens[slot] = prompt[:prefix]
+            req.slot_id, req.cached_prefix_len, req.num_prefilled = slot, prefix, prefix
+        else:
+            self.slot_tokens[slot] = []
+        self.free_slots.remove(slot)
+        self.slot_of[request_id] = slot
+        return slot
+
+    def free_slot(self, request_id: Any) -> None:
+        """Release a request's slot; its cached tokens stay reusable until the slot is taken again."""
+        if request_id not in self.slot_of:
+            raise RequestError(f"request_id {request_id!r} holds no slot")
+        self.free_slots.append(self.slot_of.pop(request_id))
+
+    # ---- validation ----------------------------------------------------------------------------------------------
+    def validate(self, req: BatchedRequest) -> None:
+        """Raise RequestError/SamplingError for a request this engine cannot run."""
+        prompt = req.prompt_tokens
+        if len(prompt) == 0:
+            raise RequestError(f"request {req.request_id!r}: empty prompt")
+        if len(prompt) >= self.max_seq_len:
+            raise RequestError(f"request {req.request_id!r}: prompt of {len(prompt)} tokens does not fit "
+                               f"max_seq_len={self.max_seq_len} (one position is needed to generate)")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, (int, np.integer)) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"request {req.request_id!r}: token id {bad[0]!r} outside the vocabulary [0, {vocab})")
+        if not isinstance(req.sampling, SamplingParams):
+            raise RequestError(f"request {req.request_id!r}: sampling must be a SamplingParams")
+        req.sampling.validate(vocab)
+
+    def _slot(self, req: BatchedRequest) -> int:
+        slot = self.slot_of.get(req.request_id)
+        if slot is None:
+            raise RequestError(f"request_id {req.request_id!r} holds no slot: call allocate_slot first")
+        req.slot_id = slot
+        return slot
+
+    # ---- prefill -------------------------------------------------------------------------------------------------
+    def batch_prefill(self, requests: Sequence[BatchedRequest], token_budget: int | None = None
+                      ) -> list[int | None]:
+        """Prefill every request's prompt (after its cached prefix) in batched, chunked device calls.
+
+        Returns each request's first generated token. With `token_budget`, runs ONE device call over at most that
+        many prompt tokens (FCFS) and returns None for requests whose prompt is not finished yet.
+        """
+        for req in requests:
+            self.validate(req)
+            self._slot(req)
+            if req.seed is None:
+                req.seed = req.sampling.seed if req.sampling.seed is not None else int(self.rng.integers(2**32))
+        results: dict[int, int] = {}
+        while True:
+            pending = [r for r in requests if r.num_prefilled < len(r.prompt_tokens)]
+            if not pending:
+                break
+            chunks = self._plan_chunks(pending, token_budget)
+            self._prefill_call(chunks, results)
+            if token_budget is not None:
+                break
+        return [results.get(id(r)) for r in requests]
+
+    def _plan_chunks(self, pending: list[BatchedRequest], budget: int | None) -> list[tuple[BatchedRequest, int]]:
+        chunks = []
+        left = budget if budget is not None else float("inf")
+        for req in pending[: self.num_slots]:
+            n = min(len(req.prompt_tokens) - req.num_prefilled, self.config.prefill_chunk, left)
+            if n <= 0:
+                break
+            chunks.append((req, int(n)))
+            left -= n
+        return chunks
+
+    def _prefill_call(self, chunks: list[tuple[BatchedRequest, int]], results: dict[int, int]) -> None:
+        cfg = self.config
+        rows = bucket(len(chunks), 1, self.num_slots)
+        width = bucket(max(n for _, n in chunks), cfg.min_prefill_bucket, cfg.prefill_chunk)
+        vocab = self.model.config.vocab_size
+        tokens = np.zeros((rows, width), np.int32)
+        slots = np.full(rows, self.num_slots, np.int32)  # padding rows target no slot: their writes are dropped
+        starts = np.zeros(rows, np.int32)
+        lengths = np.zeros(rows, np.int32)
+        final = np.zeros(rows, bool)
+        masks = np.zeros((rows, vocab), bool)
+        for i, (req, n) in enumerate(chunks):
+            begin = req.num_prefilled
+            tokens[i, :n] = req.prompt_tokens[begin: begin + n]
+            slots[i], starts[i], lengths[i] = req.slot_id, begin, n
+            final[i] = begin + n == len(req.prompt_tokens)
+            if final[i]:
+                masks[i, np.asarray(req.prompt_tokens)] = True
+        kv_len = self._kv_bucket(int((starts + lengths).max()))
+        sampling = pack_sampling([r.sampling for r, _ in chunks], [r.seed for r, _ in chunks], pad_to=rows)
+        num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r, _ in chunks) else 0
+        gather_slots = np.where(slots < self.num_slots, slots, 0).astype(np.int32)
+        self.state, out = prefill_step(
+            self.model.params, self.state, tokens, gather_slots, starts, lengths, final, masks, sampling,
+            config=self.model.config, impl=self.impl, kv_len=kv_len, num_top=num_top)
+        # padding rows read slot 0 but write nothing: their lengths are 0 and `final` is False
+        for req, n in chunks:
+            self.slot_tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
+            req.num_prefilled += n
+        if final.any():
+            self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if final[i]], out, results)
+
+    # ---- decode --------------------------------------------------------------------------------------------------
+    def batch_decode_step(self, requests: Sequence[BatchedRequest]) -> list[int | None]:
+        """One device call that generates the next token of every unfinished request; None for the others."""
+        running = [r for r in requests if not r.finished]
+        for req in running:
+            self._slot(req)
+            if req.last_token is None or req.num_prefilled < len(req.prompt_tokens):
+                raise RequestError(f"request {req.request_id!r} must be prefilled before decoding")
+        results: dict[int, int] = {}
+        if running:
+            self._decode_call(running, results)
+        return [results.get(id(r)) for r in requests]
+
+    def _decode_call(self, running: list[BatchedRequest], results: dict[int, int]) -> None:
+        rows = bucket(len(running), 1, self.num_slots)
+        dense = rows == self.num_slots
+        if dense:  # row i is slot i: attention reads the cache without gathering rows
+            order = {r.slot_id: r for r in running}
+            row_reqs = [order.get(s) for s in range(rows)]
+        else:
+            row_reqs = running + [None] * (rows - len(running))
+        tokens = np.zeros(rows, np.int32)
+        slots = np.zeros(rows, np.int32)
+        positions = np.zeros(rows, np.int32)
+        active = np.zeros(rows, bool)
+        steps = np.zeros(rows, np.int32)
+        for i, req in enumerate(row_reqs):
+            slots[i] = i if dense else 0
+            if req is None:
+                continue
+            tokens[i], slots[i], positions[i] = req.last_token, req.slot_id, len(self.slot_tokens[req.slot_id])
+            active[i], steps[i] = True, len(req.generated_tokens)
+        kv_len = self._kv_bucket(int(positions.max()) + 1)
+        present = [r for r in row_reqs if r is not None]
+        sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in row_reqs],
+                                 [r.seed if r else 0 for r in row_reqs])
+        num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r in present) else 0
+        self.state, out = decode_step(
+            self.model.params, self.state, tokens, slots, positions, active, steps, sampling,
+            config=self.model.config, impl=self.impl, kv_len=kv_len, num_top=num_top, dense=dense)
+        for req in present:
+            self.slot_tokens[req.slot_id].append(req.last_token)
+        self._deliver([(i, r) for i, r in enumerate(row_reqs) if r is not None], out, results)
+
+    # ---- shared --------------------------------------------------------------------------------------------------
+    def _kv_bucket(self, needed: int) -> int:
+        if self.impl != "xla":
+            return self.max_seq_len  # the kernels skip blocks past each slot's length themselves
+        return bucket(needed, self.config.min_kv_bucket, self.max_seq_len)
+
+    def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
+        """Move sampled tokens to the host and append them to their requests; mark finished ones."""
+        tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
+        top_ids, top_lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        for i, req in rows:
+            token = int(tokens[i])
+            n = req.sampling.logprobs
+            req.logprobs.append((float(logprobs[i]), {int(t): float(lp) for t, lp in zip(top_ids[i, :n], top_lps[i, :n])}))
+            req.generated_tokens.append(token)
+            req.last_token = token
+            results[id(req)] = token
+            self._check_finished(req, token)
+
+    def _check_finished(self, req: BatchedRequest, token: int) -> None:
+        sp = req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+            req.finished, req.finish_reason = True, "stop"
+        elif len(req.generated_tokens) >= sp.max_tokens:
+            req.finished, req.finish_reason = True, "length"
+        elif len(req.prompt_tokens) + len(req.generated_tokens) >= self.max_seq_len:
+            req.finished, req.finish_reason = True, "length"
+
+    def compiled_count(self) -> int:
+        """How many shapes the step functions have compiled so far (a steady workload must not add any)."""
+        return prefill_step._cache_size() + decode_step._cache_size()

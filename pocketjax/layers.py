@@ -1,0 +1,90 @@
+"""The decoder's building blocks as pure functions, and the attention dispatch (xla | pallas | pallas_interpret)."""
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from pallas_kernels import reference
+from pallas_kernels.tuning import resolve_attention_impl
+
+from .config import ModelConfig, rope_frequencies
+
+log = logging.getLogger("pocketjax")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32 and cast back before the weight, exactly as transformers' Qwen RMSNorm."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [..., head_dim] for integer positions, HF convention (halves duplicated, scaled by attn factor)."""
+    inv_freq, attention_factor = rope_frequencies(config)
+    freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return (jnp.cos(emb) * attention_factor).astype(dtype), (jnp.sin(emb) * attention_factor).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE on x [..., T, heads, D] with cos/sin [..., T, D]."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[..., None, :] + rotated * sin[..., None, :]
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x @ w (+ b); weights are stored [in, out]."""
+    y = x @ w
+    return y if b is None else y + b
+
+
+def swiglu(p: dict, x: jax.Array) -> jax.Array:
+    """Qwen's MLP: down(silu(gate(x)) * up(x))."""
+    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+
+
+def qkv_projection(p: dict, config: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """q [B,T,Hq,D], k and v [B,T,Hkv,D] with bias, QK-norm (Qwen3) and RoPE applied."""
+    b, t, _ = x.shape
+    d = config.head_dim
+    q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, -1, d)
+    k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, -1, d)
+    v = linear(x, p["v"], p.get("v_bias")).reshape(b, t, -1, d)
+    if config.qk_norm:
+        q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def resolve_impl(requested: str) -> str:
+    """The attention path that will run for `requested`; logs once which and why."""
+    impl, reason = resolve_attention_impl(requested)
+    log.info("pocketjax attention: %s (%s)", impl, reason)
+    return impl
+
+
+def decode_attention(impl: str, q, k_cache, v_cache, lengths, slots=None, kv_len: int | None = None):
+    """One query token per slot over one layer's cache [S, Hkv, T, D], through the chosen implementation.
+
+    The XLA path reads only the first `kv_len` positions (a static bucket); the kernels skip blocks by length.
+    """
+    if impl == "xla":
+        k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        return reference.decode_attention(q, k_cache, v_cache, lengths, slots=slots)
+    return pallas_kernels.decode_attention(q, k_cache, v_cache, lengths, slots=slots,
+                                           interpret=impl == "pallas_interpret")
+
+
+def prefill_attention(impl: str, q, k_cache, v_cache, starts, q_lengths, slots=None, kv_len: int | None = None):
+    """A chunk of new tokens per row after a cached prefix, causal, through the chosen implementation."""
+    if impl == "xla":
+        k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+        return reference.prefill_attention(q, k_cache, v_cache, starts, q_lengths, slots=slots)
+    return pallas_kernels.prefill_attention(q, k_cache, v_cache, starts, q_lengths, slots=slots,
+                                            interpret=impl == "pallas_interpret")

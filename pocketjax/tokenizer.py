@@ -1,0 +1,422 @@
+"""Text <-> token ids for HF Qwen checkpoints, the chat template, and the host-side streaming helpers.
+
+Encoding and decoding go through the `tokenizers` library with the checkpoint's own tokenizer.json, and chat
+templates render in a Jinja environment built like transformers' (`utils/chat_template_utils.py`), so a prompt
+built here has the same ids as one built with transformers — without importing transformers or torch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken
+from tokenizers import Tokenizer as BackendTokenizer
+
+from pocketjax.errors import CheckpointError, RequestError
+
+TOKENIZER_FILE = "tokenizer.json"
+CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"          # transformers 5 saves the template here
+TEMPLATE_DIR = "additional_chat_templates"     # named extra templates, one <name>.jinja each
+# The named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """An HF checkpoint's tokenizer: encode, decode and the chat template, as transformers would do them."""
+
+    def __init__(self, backend: BackendTokenizer, config: Mapping[str, Any] | None = None,
+                 chat_templates: Mapping[str, str] | str | None = None, name: str = "tokenizer"):
+        self.backend = backend
+        self.config = dict(config or {})
+        self.name = name
+        named = {key: _token_content(self.config.get(key)) for key in NAMED_SPECIAL_TOKENS}
+        self.special_tokens: dict[str, str] = {k: v for k, v in named.items() if v is not None}
+        self._register_added_tokens()
+        if chat_templates is None:
+            chat_templates = self.config.get("chat_template")
+        self.chat_templates = _template_dict(chat_templates)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.eos_token_id = self.token_id(self.special_tokens.get("eos_token"))
+        self.pad_token_id = self.token_id(self.special_tokens.get("pad_token"))
+        self.bos_token_id = self.token_id(self.special_tokens.get("bos_token"))
+        self.special_token_ids: set[int] = {
+            i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
+        }
+
+    @classmethod
+    def from_folder(cls, path: str | os.PathLike) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and any chat_template.jinja from an HF checkpoint folder."""
+        folder = Path(path)
+        tokenizer_file = folder / TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            raise CheckpointError(f"{tokenizer_file} is missing: pocketjax needs the fast tokenizer file")
+        try:
+            backend = BackendTokenizer.from_file(str(tokenizer_file))
+        except Exception as err:  # tokenizers raises plain Exception for bad JSON or unknown components
+            raise CheckpointError(f"{tokenizer_file} is corrupt or unsupported: {err}") from err
+        config = {}
+        config_file = folder / CONFIG_FILE
+        if config_file.is_file():
+            try:
+                config = json.loads(config_file.read_text(encoding="utf-8"))
+            except (ValueError, OSError) as err:
+                raise CheckpointError(f"{config_file} is not valid JSON: {err}") from err
+            if not isinstance(config, dict):
+                raise CheckpointError(f"{config_file} must hold a JSON object")
+        # Like transformers: template files, when present, replace the templates in tokenizer_config.json.
+        templates = {}
+        if (folder / TEMPLATE_FILE).is_file():
+            templates["default"] = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
+        if (folder / TEMPLATE_DIR).is_dir():
+            for file in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
+                templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
+        return cls(backend, config, templates or None, name=str(folder))
+
+    def _register_added_tokens(self) -> None:
+        """Add what transformers adds on load: tokenizer_config's added_tokens_decoder and named special tokens.
+
+        For a consistent checkpoint these are already in tokenizer.json and this changes nothing; when the
+        config declares more, transformers matches and skips them, so we must too.
+        """
+        present = {tok.content for tok in self.backend.get_added_tokens_decoder().values()}
+        decoder = self.config.get("added_tokens_decoder") or {}
+        for _, entry in sorted(decoder.items(), key=lambda kv: int(kv[0])):
+            if entry.get("content") in present:
+                continue
+            token = AddedToken(entry["content"], single_word=entry.get("single_word", False),
+                               lstrip=entry.get("lstrip", False), rstrip=entry.get("rstrip", False),
+                               normalized=entry.get("normalized", not entry.get("special", False)),
+                               special=entry.get("special", False))
+            self.backend.add_tokens([token])
+            present.add(token.content)
+        # v4 configs list extra specials as additional_special_tokens, transformers 5 as extra_special_tokens.
+        extra = []
+        for key in ("additional_special_tokens", "extra_special_tokens"):
+            tokens = self.config.get(key) or []
+            extra += [_token_content(t) for t in (tokens.values() if isinstance(tokens, dict) else tokens)]
+        named = [t for t in dict.fromkeys([*self.special_tokens.values(), *extra]) if t and t not in present]
+        if named:
+            self.backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named])
+
+    def token_id(self, token: str | None) -> int | None:
+        """The id of one token string, or None when it is not in the vocabulary."""
+        return None if token is None else self.backend.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; special-token text such as "<|im_end|>" becomes its single special id."""
+        if not isinstance(text, str):
+            raise RequestError(f"text to encode must be str, got {type(text).__name__}")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; incomplete UTF-8 sequences become U+FFFD, as in transformers."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def get_chat_template(self, chat_template: str | None = None, tools: Sequence | None = None) -> str:
+        """The template source to render: a named template, the literal `chat_template`, or the default."""
+        if chat_template is not None and chat_template in self.chat_templates:
+            return self.chat_templates[chat_template]
+        if chat_template is not None:
+            return chat_template
+        if tools is not None and "tool_use" in self.chat_templates:
+            return self.chat_templates["tool_use"]
+        if "default" in self.chat_templates:
+            return self.chat_templates["default"]
+        if self.chat_templates:
+            raise RequestError(f"{self.name} has several chat templates and no default; pass chat_template= "
+                               f"one of {sorted(self.chat_templates)}")
+        raise RequestError(f"{self.name} has no chat template (tokenizer_config.json 'chat_template' or "
+                           f"{TEMPLATE_FILE}); pass chat_template= or use a plain prompt")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, *, chat_template: str | None = None,
+                            continue_final_message: bool = False, documents: Sequence[Mapping] | None = None,
+                            **kwargs: Any) -> str:
+        """The prompt text for `messages`, rendered exactly as transformers' apply_chat_template(tokenize=False).
+
+        Extra keyword arguments become template variables (e.g. `enable_thinking=False` for Qwen3) and
+        override the named special tokens, as in transformers.
+        """
+        if continue_final_message and add_generation_prompt:
+            raise RequestError("continue_final_message and add_generation_prompt are mutually exclusive")
+        if not messages:
+            raise RequestError("cannot apply a chat template to an empty conversation")
+        if any(not isinstance(m, Mapping) for m in messages):
+            raise RequestError("chat messages must be dicts with 'role' and 'content'")
+        if tools is not None and any(not isinstance(t, Mapping) for t in tools):
+            raise RequestError("tools must be JSON-schema dicts")
+        source = self.get_chat_template(chat_template, tools)
+        template = compile_template(source, self.name)
+        # transformers drops None-valued keys (OpenAI-style content=None) and rebuilds inputs from plain types.
+        chat = [{k: _plain(v) for k, v in m.items() if v is not None} for m in messages]
+        chat = [_alias_reasoning(m) for m in chat]
+        variables = {**self.special_tokens, **_plain(kwargs)}
+        tag = "CONTINUE_FINAL_MESSAGE_TAG "
+        final = None
+        if continue_final_message:
+            final = chat[-1].get("content")
+            if not isinstance(final, str):
+                raise RequestError("continue_final_message needs a final message with string content")
+            chat[-1]["content"] = final + tag
+        try:
+            text = template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                   add_generation_prompt=add_generation_prompt, **variables)
+        except jinja2.TemplateError as err:
+            raise RequestError(f"chat template rejected the conversation: {err}") from err
+        if final is not None:
+            if final.strip() not in text or tag.strip() not in text:
+                raise RequestError("continue_final_message: the template dropped the final message")
+            at = text.rindex(tag.strip())
+            text = text[:at] if text[at:at + len(tag)] == tag else text[:at].rstrip()
+        return text
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token from tokenizer_config.json: a string, or a serialized AddedToken dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _template_dict(templates: Mapping[str, str] | Sequence[Mapping[str, str]] | str | None) -> dict[str, str]:
+    """Every template by name: one string is "default", a list of {name, template} is by name (HF format)."""
+    if templates is None:
+        return {}
+    if isinstance(templates, str):
+        return {"default": templates}
+    if isinstance(templates, Mapping):
+        return dict(templates)
+    return {t["name"]: t["template"] for t in templates}
+
+
+def _plain(value: Any) -> Any:
+    """`value` rebuilt from JSON types (what transformers lets a sandboxed template see); others -> "<Type>"."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
+        return _plain(value.item())  # numpy scalars
+    return f"<{type(value).__name__}>"
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict) -> dict:
+    """Copy a message's reasoning under every name templates read it by (transformers does the same)."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return message
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering keeps it as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller: Any) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    # Jinja's own tojson HTML-escapes and sorts keys; templates were written against json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _TemplateDict:
+    """`dict(...)` in templates without exposing the dict type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """`namespace(...)` that refuses underscore attributes, closing a sandbox escape (as transformers does)."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja2.utils.Namespace
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _TemplateNamespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+def template_environment() -> ImmutableSandboxedEnvironment:
+    """The Jinja environment transformers renders chat templates in: sandboxed, trimmed, same helpers."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
+    return env
+
+
+@lru_cache(maxsize=16)
+def compile_template(source: str, name: str = "chat template") -> jinja2.Template:
+    """Compile a chat template once; a template that does not parse is a broken checkpoint."""
+    try:
+        return template_environment().from_string(source)
+    except jinja2.TemplateSyntaxError as err:
+        raise CheckpointError(f"chat template of {name} does not parse: {err}") from err
+
+
+class IncrementalDetokenizer:
+    """Streams generated ids to text, never emitting a partial UTF-8 character.
+
+    Byte-level BPE splits multibyte characters across tokens, so decoding one token at a time would show
+    U+FFFD. Like vLLM, we decode a short window twice (with and without the new tokens) and emit the
+    difference only once it no longer ends in U+FFFD. Invariant: "".join(pieces) + flush() equals
+    tokenizer.decode(generated ids). Each step decodes a few tokens, not the whole output.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = [int(i) for i in prompt_ids]
+        # A few prompt tokens of context matter for decoders that strip a leading space (SentencePiece).
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.prompt_len = len(self.ids)
+        self._text: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        return "".join(self._text)
+
+    def add(self, token_id: int) -> str:
+        """Feed one generated id; returns the newly completed text (often "" while a character is split)."""
+        self.ids.append(int(token_id))
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if full.endswith(REPLACEMENT_CHAR):
+            return ""  # an incomplete character: wait for the bytes that finish it
+        piece = full[_common_prefix_len(prefix, full):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._text.append(piece)
+        return piece
+
+    def flush(self) -> str:
+        """At the end of generation: whatever was held back (bytes that never formed a character, as U+FFFD)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        piece = full[_common_prefix_len(prefix, full):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._text.append(piece)
+        return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    # Normally `a` is a prefix of `b`; they differ only when the prompt ends inside a character, whose
+    # U+FFFD in `a` becomes the real character in `b`.
+    if b.startswith(a):
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class StopStringMatcher:
+    """Host-side stop strings over streamed text, with OpenAI/vLLM semantics.
+
+    Text is emitted up to (not including) the first stop string, even one spanning several pieces. A tail
+    that could still grow into a stop string is held back until it cannot, or until `flush()`.
+    """
+
+    def __init__(self, stop: Iterable[str]):
+        self.stop = tuple(stop)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise RequestError("stop strings must be non-empty strings")
+        self._held = ""
+        self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
+
+    def add(self, piece: str) -> str:
+        """Feed the next piece of text; returns what is safe to emit now ("" once stopped)."""
+        if self.stopped:
+            return ""
+        buffer = self._held + piece
+        # The stop string that ends first wins (then the one starting first): that is where a token-by-token
+        # generator would stop, so the result does not depend on how the text was cut into pieces.
+        hits = [(at + len(s), at, s) for s in self.stop if (at := buffer.find(s)) >= 0]
+        if hits:
+            _, at, self.matched = min(hits)
+            self.stopped, self._held = True, ""
+            return buffer[:at]
+        keep = self._partial_len(buffer)
+        self._held = buffer[len(buffer) - keep:]
+        return buffer[:len(buffer) - keep]
+
+    def flush(self) -> str:
+        """At the end of the stream: the held-back tail, which no longer can become a stop string."""
+        held, self._held = ("" if self.stopped else self._held), ""
+        return held
+
+    def _partial_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,111 @@
+"""ModelConfig parsing in both spellings, RoPE scaling parity with transformers, and ConfigError cases."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pocketjax.config import ModelConfig, rope_frequencies
+from pocketjax.errors import ConfigError
+
+QWEN3_06B = {  # as released (transformers 4 spelling)
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "bos_token_id": 151643,
+    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+    "intermediate_size": 3072, "max_position_embeddings": 40960, "model_type": "qwen3",
+    "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+    "rope_scaling": None, "rope_theta": 1000000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+}
+
+
+def test_released_qwen3_config():
+    c = ModelConfig.from_dict(QWEN3_06B)
+    assert (c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.group_size) == (28, 16, 8, 128, 2)
+    assert c.qk_norm and not c.attention_bias and c.tie_word_embeddings and c.dtype == "bfloat16"
+    assert c.rope.theta == 1e6 and c.rope.rope_type == "default" and c.eos_token_ids == (151645,)
+    assert abs(c.num_params() - 596_049_920) < 1  # Qwen3-0.6B's published count (tied)
+
+
+def test_transformers5_spelling_equals_released():
+    new = {k: v for k, v in QWEN3_06B.items() if k not in ("rope_theta", "rope_scaling", "torch_dtype")}
+    new |= {"rope_parameters": {"rope_type": "default", "rope_theta": 1000000}, "dtype": "bfloat16"}
+    assert ModelConfig.from_dict(new) == ModelConfig.from_dict(QWEN3_06B)
+
+
+def test_qwen2_has_bias_and_derived_head_dim():
+    cfg = {**QWEN3_06B, "model_type": "qwen2", "hidden_size": 896, "num_attention_heads": 14,
+           "num_key_value_heads": 2}
+    cfg.pop("head_dim")
+    cfg.pop("attention_bias")
+    c = ModelConfig.from_dict(cfg)
+    assert c.attention_bias and not c.qk_norm and c.head_dim == 64
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("model_type", "llama", "model_type"),
+    ("num_key_value_heads", 3, "num_key_value_heads"),
+    ("hidden_act", "gelu", "hidden_act"),
+    ("torch_dtype", "int8", "torch_dtype"),
+    ("rms_norm_eps", -1.0, "rms_norm_eps"),
+    ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling"),
+    ("rope_scaling", {"type": "yarn"}, "factor"),
+    ("use_sliding_window", True, "use_sliding_window"),
+    ("head_dim", 0, "head_dim"),
+])
+def test_bad_field_raises_config_error_naming_it(field, value, match):
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig.from_dict({**QWEN3_06B, field: value})
+
+
+@pytest.mark.parametrize("field", ["vocab_size", "hidden_size", "num_hidden_layers", "model_type"])
+def test_missing_field_raises(field):
+    cfg = dict(QWEN3_06B)
+    cfg.pop(field)
+    with pytest.raises(ConfigError, match=field):
+        ModelConfig.from_dict(cfg)
+
+
+def test_contradictions_raise():
+    with pytest.raises(ConfigError, match="rope_theta"):
+        ModelConfig.from_dict({**QWEN3_06B, "rope_parameters": {"rope_type": "default", "rope_theta": 10000}})
+    with pytest.raises(ConfigError, match="disagree"):
+        ModelConfig.from_dict({**QWEN3_06B, "dtype": "float16"})
+    with pytest.raises(ConfigError, match="attention_bias"):
+        ModelConfig.from_dict({**QWEN3_06B, "model_type": "qwen2", "attention_bias": False})
+
+
+def test_missing_or_corrupt_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        ModelConfig.from_folder(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        ModelConfig.from_folder(tmp_path)
+
+
+@pytest.mark.parametrize("scaling", [
+    None,
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096, "beta_fast": 16, "beta_slow": 2},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "mscale": 0.707,
+     "mscale_all_dim": 1.0},
+])
+def test_rope_frequencies_match_transformers(scaling):
+    cfg = {**QWEN3_06B, "rope_scaling": scaling, "max_position_embeddings": 131072}
+    ours, factor = rope_frequencies(ModelConfig.from_dict(cfg))
+    hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
+    rope = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(hf_cfg)
+    np.testing.assert_allclose(ours, rope.inv_freq.numpy(), rtol=1e-6)
+    assert factor == pytest.approx(rope.attention_scaling, rel=1e-7)
+    pos = torch.arange(0, 100000, 997)[None]
+    cos, _ = rope(torch.zeros(1, dtype=torch.float32), pos)
+    ours_cos = np.cos(pos.numpy()[0, :, None].astype(np.float32) * np.concatenate([ours, ours])) * factor
+    np.testing.assert_allclose(ours_cos, cos[0].numpy(), atol=2e-3)  # float32 angle rounding at 1e5 rad
+
+
+def test_config_json_roundtrip_of_saved_checkpoint(hf_checkpoint):
+    folder = hf_checkpoint("qwen3_gqa4_headdim")
+    raw = json.loads((folder / "config.json").read_text())
+    c = ModelConfig.from_folder(folder)
+    assert c.head_dim == raw["head_dim"] == 32 and c.hidden_size == 64 and c.num_heads * c.head_dim == 256
