@@ -55,10 +55,9 @@ class Completion:
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class EngineState:
-    """Everything the engine keeps on device, donated through every step: the cache and the penalty state."""
+class Penalties:
+    """Per-slot sampling state on device: the prompt's tokens and the generated-token counts."""
 
-    cache: KVCache
     prompt_mask: jax.Array  # bool [slots, vocab]: tokens of each slot's prompt (repetition penalty)
     output_counts: jax.Array  # int32 [slots, vocab]: generated-token counts (presence/frequency penalty)
 
@@ -71,40 +70,50 @@ def bucket(n: int, smallest: int, largest: int) -> int:
     return min(size, largest)
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "num_top"), donate_argnames=("state",))
-def prefill_step(params, state: EngineState, tokens, slots, starts, lengths, final, prompt_masks,
-                 sampling: SamplingArrays, *, config: ModelConfig, impl: str, kv_len: int, num_top: int
-                 ) -> tuple[EngineState, SampleOutput]:
-    """Prefill one chunk per row and sample the first token of rows whose prompt ends in this chunk (`final`).
+# The forward steps and the sampler are separate jitted calls, chained on device without a host sync: the
+# sampler then compiles once per batch bucket instead of once per (batch, chunk, attention length) shape.
 
-    Final rows get their slot's penalty state reset: prompt mask from the host, output counts = the new token.
-    """
-    cache, logits = prefill_forward(params, config, impl, kv_len, state.cache, tokens, slots, starts, lengths)
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len"), donate_argnames=("cache",))
+def prefill_step(params, cache: KVCache, tokens, slots, starts, lengths, *, config: ModelConfig, impl: str,
+                 kv_len: int) -> tuple[KVCache, jax.Array]:
+    """Write one prompt chunk per row into the cache; logits [B, vocab] of each row's last chunk token."""
+    return prefill_forward(params, config, impl, kv_len, cache, tokens, slots, starts, lengths)
+
+
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "dense"), donate_argnames=("cache",))
+def decode_step(params, cache: KVCache, tokens, slots, positions, active, *, config: ModelConfig, impl: str,
+                kv_len: int, dense: bool) -> tuple[KVCache, jax.Array]:
+    """One token per row. `dense`: row i is slot i for every slot, so attention reads the cache in place."""
+    return decode_forward(params, config, impl, kv_len, cache, tokens, slots, positions, active, dense=dense)
+
+
+@partial(jax.jit, static_argnames=("num_top",), donate_argnames=("penalties",))
+def sample_first(penalties: Penalties, logits, slots, final, prompt_masks, sampling: SamplingArrays, *,
+                 num_top: int) -> tuple[Penalties, SampleOutput]:
+    """First token of rows whose prompt ended (`final`); resets those slots' penalty state to the new prompt."""
     zeros = jnp.zeros(prompt_masks.shape, jnp.int32)
     out = sample(logits, sampling, prompt_masks, zeros, jnp.zeros_like(slots), num_top=num_top)
-    rows = jnp.where(final, slots, cache.num_slots)
-    mask = state.prompt_mask.at[rows].set(prompt_masks, mode="drop")
-    counts = state.output_counts.at[rows].set(0, mode="drop").at[rows, out.tokens].add(1, mode="drop")
-    return EngineState(cache, mask, counts), out
+    rows = jnp.where(final, slots, penalties.prompt_mask.shape[0])
+    mask = penalties.prompt_mask.at[rows].set(prompt_masks, mode="drop")
+    counts = penalties.output_counts.at[rows].set(0, mode="drop").at[rows, out.tokens].add(1, mode="drop")
+    return Penalties(mask, counts), out
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "num_top", "dense"), donate_argnames=("state",))
-def decode_step(params, state: EngineState, tokens, slots, positions, active, steps, sampling: SamplingArrays,
-                *, config: ModelConfig, impl: str, kv_len: int, num_top: int, dense: bool
-                ) -> tuple[EngineState, SampleOutput]:
-    """One token for every row. `dense`: row i is slot i for every slot, so attention reads the cache in place."""
-    cache, logits = decode_forward(params, config, impl, kv_len, state.cache, tokens, slots, positions, active,
-                                   dense=dense)
-    out = sample(logits, sampling, state.prompt_mask[slots], state.output_counts[slots], steps, num_top=num_top)
-    rows = jnp.where(active, slots, cache.num_slots)
-    counts = state.output_counts.at[rows, out.tokens].add(1, mode="drop")
-    return EngineState(cache, state.prompt_mask, counts), out
+@partial(jax.jit, static_argnames=("num_top",), donate_argnames=("penalties",))
+def sample_next(penalties: Penalties, logits, slots, active, steps, sampling: SamplingArrays, *,
+                num_top: int) -> tuple[Penalties, SampleOutput]:
+    """Next token of every active row, with penalties from its slot's state; counts the new tokens."""
+    out = sample(logits, sampling, penalties.prompt_mask[slots], penalties.output_counts[slots], steps,
+                 num_top=num_top)
+    rows = jnp.where(active, slots, penalties.prompt_mask.shape[0])
+    counts = penalties.output_counts.at[rows, out.tokens].add(1, mode="drop")
+    return Penalties(penalties.prompt_mask, counts), out
 
 
-@partial(jax.jit, donate_argnames=("state",))
-def copy_slot_prefix(state: EngineState, src, dst, length) -> EngineState:
+@partial(jax.jit, donate_argnames=("cache",))
+def copy_slot_prefix(cache: KVCache, src, dst, length) -> KVCache:
     """Copy the first `length` cached positions of slot src into slot dst (a shared prompt prefix)."""
-    return EngineState(copy_prefix(state.cache, src, dst, length), state.prompt_mask, state.output_counts)
+    return copy_prefix(cache, src, dst, length)
 
 
 def read_eos_ids(model: Model) -> frozenset[int]:
@@ -142,7 +151,8 @@ class Engine:
         self.impl = resolve_impl(self.config.attention_impl)
         self.eos_ids = read_eos_ids(model)
         self.rng = np.random.default_rng(seed)
-        self.state: EngineState | None = None
+        self.cache: KVCache | None = None
+        self.penalties: Penalties | None = None
         self.slot_of: dict[Any, int] = {}
         self.allocate_batch_slots(self.config.max_batch_size)
 
@@ -165,12 +175,13 @@ class Engine:
         if self.slot_of:
             raise CapacityError(f"cannot reallocate slots while {len(self.slot_of)} are held")
         c = self.model.config
-        self.state = None  # drop the old cache before allocating the new one
+        self.cache = self.penalties = None  # drop the old cache before allocating the new one
         cache = init_cache(c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, self.model.dtype)
         if self.model.mesh is not None:
             from .sharding import shard_cache
             cache = shard_cache(cache, self.model.mesh)
-        self.state = EngineState(cache, jnp.zeros((n, c.vocab_size), bool), jnp.zeros((n, c.vocab_size), jnp.int32))
+        self.cache = cache
+        self.penalties = Penalties(jnp.zeros((n, c.vocab_size), bool), jnp.zeros((n, c.vocab_size), jnp.int32))
         self.slot_tokens: list[list[int]] = [[] for _ in range(n)]
         self.free_slots: list[int] = list(range(n))  # least recently freed first
 
@@ -196,7 +207,7 @@ class Engine:
             donor = max(range(self.num_slots), key=lambda s: common_prefix(self.slot_tokens[s], prompt))
             donor_len = min(common_prefix(self.slot_tokens[donor], prompt), len(prompt) - 1)
             if donor_len > prefix:
-                self.state = copy_slot_prefix(self.state, np.int32(donor), np.int32(slot), np.int32(donor_len))
+                self.cache = copy_slot_prefix(self.cache, np.int32(donor), np.int32(slot), np.int32(donor_len))
                 prefix = donor_len
             prefix = max(prefix, 0)
             self.slot_tokens[slot] = prompt[:prefix]
@@ -294,14 +305,15 @@ class Engine:
         sampling = pack_sampling([r.sampling for r, _ in chunks], [r.seed for r, _ in chunks], pad_to=rows)
         num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r, _ in chunks) else 0
         gather_slots = np.where(slots < self.num_slots, slots, 0).astype(np.int32)
-        self.state, out = prefill_step(
-            self.model.params, self.state, tokens, gather_slots, starts, lengths, final, masks, sampling,
-            config=self.model.config, impl=self.impl, kv_len=kv_len, num_top=num_top)
         # padding rows read slot 0 but write nothing: their lengths are 0 and `final` is False
+        self.cache, logits = prefill_step(self.model.params, self.cache, tokens, gather_slots, starts, lengths,
+                                          config=self.model.config, impl=self.impl, kv_len=kv_len)
         for req, n in chunks:
             self.slot_tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
             req.num_prefilled += n
         if final.any():
+            self.penalties, out = sample_first(self.penalties, logits, gather_slots, final, masks, sampling,
+                                               num_top=num_top)
             self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if final[i]], out, results)
 
     # ---- decode --------------------------------------------------------------------------------------------------
@@ -341,9 +353,9 @@ class Engine:
         sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in row_reqs],
                                  [r.seed if r else 0 for r in row_reqs])
         num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r in present) else 0
-        self.state, out = decode_step(
-            self.model.params, self.state, tokens, slots, positions, active, steps, sampling,
-            config=self.model.config, impl=self.impl, kv_len=kv_len, num_top=num_top, dense=dense)
+        self.cache, logits = decode_step(self.model.params, self.cache, tokens, slots, positions, active,
+                                         config=self.model.config, impl=self.impl, kv_len=kv_len, dense=dense)
+        self.penalties, out = sample_next(self.penalties, logits, slots, active, steps, sampling, num_top=num_top)
         for req in present:
             self.slot_tokens[req.slot_id].append(req.last_token)
         self._deliver([(i, r) for i, r in enumerate(row_reqs) if r is not None], out, results)
@@ -378,4 +390,5 @@ class Engine:
 
     def compiled_count(self) -> int:
         """How many shapes the step functions have compiled so far (a steady workload must not add any)."""
-        return prefill_step._cache_size() + decode_step._cache_size()
+        steps = (prefill_step, decode_step, sample_first, sample_next, copy_slot_prefix)
+        return sum(f._cache_size() for f in steps)

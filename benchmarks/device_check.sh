@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# GPU check of the Pallas attention kernels: the kernel tests compiled for the GPU (not interpreted),
+# then the kernel timings. Run from the repo root on a machine whose python already has jax with
+# CUDA; installs nothing. Everything lands in $OUT (default ./out). Budget: under 8 minutes.
+#   OUT=./out bash benchmarks/device_check.sh
+set -uo pipefail
+
+OUT=${OUT:-./out}
+mkdir -p "$OUT"
+export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_PLATFORMS=cuda                      # tests/conftest.py only sets cpu when this is unset
+export POCKETJAX_KERNEL_TEST_MODE=gpu          # tests/test_kernels.py: interpret=False on the GPU
+PY=${PYTHON:-python}
+
+echo "== environment" | tee "$OUT/summary.txt"
+timeout 60 "$PY" - <<'EOF' 2>&1 | tee "$OUT/env.txt" | tee -a "$OUT/summary.txt"
+import jax, jaxlib
+from pallas_kernels import tuning
+d = jax.devices()[0]
+print("jax", jax.__version__, "jaxlib", jaxlib.__version__)
+print("device", d.platform, d.device_kind, "cc", getattr(d, "compute_capability", None),
+      "SMs", getattr(d, "core_count", None))
+print("target", tuning.target(d), "| auto ->", tuning.resolve_attention_impl("auto", d))
+print("decode blocks bf16 D=128:", tuning.block_sizes("decode", 128, "bfloat16", d))
+print("prefill blocks bf16 D=128:", tuning.block_sizes("prefill", 128, "bfloat16", d))
+EOF
+env_rc=${PIPESTATUS[0]}
+
+echo "== kernel tests (GPU, not interpreted)" | tee -a "$OUT/summary.txt"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  timeout 180 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -o addopts="" \
+    --junitxml "$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log"
+  test_rc=${PIPESTATUS[0]}
+else
+  # No pytest on this machine: run every test function with a stand-in for the few pytest APIs used.
+  timeout 180 "$PY" - <<'EOF' 2>&1 | tee "$OUT/kernel_tests.log"
+import contextlib, sys, traceback, types
+import jax, jaxlib, numpy, pallas_kernels  # before the stand-in: libraries probe for a real pytest
+from jax.experimental.pallas.ops.gpu import decode_attention  # noqa: F401
+pytest = types.ModuleType("pytest")
+class _Skip(Exception): pass
+def _param(name, values, ids=None):
+    def wrap(f):
+        f.__dict__.setdefault("_params", []).append((name, values)); return f
+    return wrap
+def _skipif(cond, reason=""):
+    def wrap(f):
+        f._skip = bool(cond); return f
+    return wrap
+@contextlib.contextmanager
+def _raises(exc):
+    try:
+        yield
+    except exc:
+        return
+    raise AssertionError(f"did not raise {exc}")
+pytest.mark = types.SimpleNamespace(parametrize=_param, skipif=_skipif)
+pytest.raises, pytest.skip = _raises, lambda *a, **k: (_ for _ in ()).throw(_Skip())
+sys.modules["pytest"] = pytest
+import tests.test_kernels as t  # conftest is pytest-only; the env above replaces it
+failed = passed = 0
+for name in [n for n in dir(t) if n.startswith("test_")]:
+    fn = getattr(t, name)
+    if getattr(fn, "_skip", False):
+        continue
+    params = getattr(fn, "_params", [])
+    calls = [{}] if not params else [{params[0][0]: v} for v in params[0][1]]
+    for kw in calls:
+        try:
+            fn(**kw); passed += 1
+        except _Skip:
+            pass
+        except Exception:
+            failed += 1; print("FAILED", name, kw); traceback.print_exc()
+print(f"{passed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
+EOF
+  test_rc=${PIPESTATUS[0]}
+fi
+tail -n 3 "$OUT/kernel_tests.log" >> "$OUT/summary.txt"
+
+echo "== kernel timings" | tee -a "$OUT/summary.txt"
+timeout 200 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels_bench.log"
+bench_rc=${PIPESTATUS[0]}
+sed -n '/^peak copy bandwidth/,$p' "$OUT/kernels_bench.log" >> "$OUT/summary.txt"
+
+echo "env rc=$env_rc tests rc=$test_rc bench rc=$bench_rc" | tee -a "$OUT/summary.txt"
+[ "$env_rc" -eq 0 ] && [ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

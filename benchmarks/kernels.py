@@ -1,0 +1,185 @@
+"""Time the Pallas attention kernels against the XLA reference and JAX's own GQA decode kernel.
+
+Decode is memory-bound, so it reports the K/V bytes it must read over time as achieved bandwidth,
+next to the device's measured copy bandwidth. Prefill is compute-bound, so it reports causal
+attention FLOP/s next to a measured large-matmul peak. On CPU, `--quick` runs tiny shapes: the XLA
+timings are real, the Pallas ones are interpret mode (a Python-level emulation) and mean nothing
+about the kernels' speed. Prints a markdown table last; `--json PATH` writes every row.
+
+    PYTHONPATH=. python benchmarks/kernels.py [--quick] [--json out/kernels.json]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import decode_attention, prefill_attention, reference, tuning
+
+
+def _time(fn, *args, repeats: int) -> float:
+    """Median seconds per call after one compiling call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def copy_bandwidth(n_bytes: int, repeats: int) -> float:
+    """Device memory bandwidth, bytes/s, from copying one big array (read + write)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    return 2 * n_bytes / _time(f, x, repeats=repeats)
+
+
+def matmul_flops(n: int, dtype, repeats: int) -> float:
+    """Dense matmul throughput, FLOP/s, of an n x n x n product in dtype."""
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n ** 3 / _time(f, a, a, repeats=repeats)
+
+
+def _normal(key: int, shape, dtype) -> jax.Array:
+    """Random data made on the device: host NumPy would take minutes for 32 x 32K-token caches."""
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+
+
+def _decode_impls(interpret: bool, kv_heads: int, t: int):
+    """name -> fn(q, k, v, lengths) for every decode implementation worth timing here."""
+    from jax.experimental.pallas.ops.gpu import decode_attention as jax_decode
+
+    splits = max(1, min(16, t // 64))  # JAX's gqa needs T % k_splits == 0 and >= 16 keys per split
+
+    def jax_gqa(q, k_t, v_t, lengths):
+        return jax_decode.gqa(q, k_t, v_t, None, lengths, k_splits=splits, interpret=interpret)
+
+    pallas = functools.partial(decode_attention, interpret=interpret)
+    return {"pallas": (jax.jit(pallas), False), "xla": (jax.jit(reference.decode_attention), False),
+            "jax_gqa": (jax.jit(jax_gqa), True)}
+
+
+def bench_decode(s, t, q_heads, kv_heads, d, dtype, impls, interpret, repeats, peak_bw):
+    q = _normal(0, (s, q_heads, d), dtype)
+    k = _normal(1, (s, kv_heads, t, d), dtype)
+    v = _normal(2, (s, kv_heads, t, d), dtype)
+    lengths = jnp.full((s,), t, jnp.int32)
+    kv_bytes = 2 * k.size * k.dtype.itemsize
+    rows = []
+    for name, (fn, wants_bthd) in _decode_impls(interpret, kv_heads, t).items():
+        if name not in impls:
+            continue
+        args = (q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if wants_bthd else (q, k, v)
+        row = dict(kind="decode", impl=name, slots=s, seq=t, interpret=interpret and name != "xla")
+        try:
+            sec = _time(fn, *args, lengths, repeats=repeats)
+            row.update(ms=sec * 1e3, gbps=kv_bytes / sec / 1e9, pct_peak=100 * kv_bytes / sec / peak_bw)
+        except Exception as e:  # one failing implementation must not hide the others' numbers
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            traceback.print_exc()
+        rows.append(row)
+    return rows
+
+
+def bench_prefill(tq, q_heads, kv_heads, d, dtype, impls, interpret, repeats, peak_flops):
+    q = _normal(3, (1, tq, q_heads, d), dtype)
+    k = _normal(4, (1, kv_heads, tq, d), dtype)
+    v = _normal(5, (1, kv_heads, tq, d), dtype)
+    starts, q_lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), tq, jnp.int32)
+    flops = 4 * q_heads * d * tq * (tq + 1) / 2  # QK^T and PV over the causal half
+    fns = {"pallas": jax.jit(functools.partial(prefill_attention, interpret=interpret)),
+           "xla": jax.jit(reference.prefill_attention)}
+    rows = []
+    for name, fn in fns.items():
+        if name not in impls:
+            continue
+        row = dict(kind="prefill", impl=name, slots=1, seq=tq, interpret=interpret and name != "xla")
+        try:
+            sec = _time(fn, q, k, v, starts, q_lengths, repeats=repeats)
+            row.update(ms=sec * 1e3, tflops=flops / sec / 1e12, pct_peak=100 * flops / sec / peak_flops)
+        except Exception as e:
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            traceback.print_exc()
+        rows.append(row)
+    return rows
+
+
+def markdown(rows, peaks) -> str:
+    lines = [f"peak copy bandwidth {peaks['copy_gbps']:.1f} GB/s, peak matmul "
+             f"{peaks['matmul_tflops']:.2f} TFLOP/s ({peaks['device']})", "",
+             "| kind | impl | slots | seq | ms | GB/s | TFLOP/s | % peak | note |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        def f(key, fmt):
+            return format(r[key], fmt) if key in r else ""
+        note = r.get("error", "interpret mode: not a kernel timing" if r["interpret"] else "")
+        lines.append(f"| {r['kind']} | {r['impl']} | {r['slots']} | {r['seq']} | {f('ms', '.3f')} | "
+                     f"{f('gbps', '.1f')} | {f('tflops', '.2f')} | {f('pct_peak', '.1f')} | {note} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU, smoke runs)")
+    parser.add_argument("--json", help="write results to this path")
+    parser.add_argument("--impls", default="pallas,xla,jax_gqa")
+    parser.add_argument("--q-heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--repeats", type=int, default=None)
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    on_gpu = device.platform == "gpu"
+    interpret = not on_gpu
+    quick = args.quick or not on_gpu
+    dtype = jnp.dtype(args.dtype)
+    impls = set(args.impls.split(","))
+    repeats = args.repeats or (3 if quick else 20)
+    if quick:
+        decode_shapes = [(s, t) for s in (1, 8) for t in (256, 1024)]
+        prefill_seqs = [256]
+        q_heads, kv_heads, d = 8, 2, 64
+        peaks = dict(copy_gbps=copy_bandwidth(1 << 26, repeats) / 1e9,
+                     matmul_tflops=matmul_flops(1024, jnp.float32, repeats) / 1e12)
+    else:
+        decode_shapes = [(s, t) for s in (1, 8, 32) for t in (1024, 8192, 32768)]
+        prefill_seqs = [2048, 8192]
+        q_heads, kv_heads, d = args.q_heads, args.kv_heads, args.head_dim
+        peaks = dict(copy_gbps=copy_bandwidth(1 << 31, repeats) / 1e9,
+                     matmul_tflops=matmul_flops(8192, dtype, repeats) / 1e12)
+    peaks["device"] = f"{device.platform} {device.device_kind}"
+    target = tuning.target(device)
+
+    rows = []
+    for s, t in decode_shapes:
+        rows += bench_decode(s, t, q_heads, kv_heads, d, dtype, impls, interpret, repeats,
+                             peaks["copy_gbps"] * 1e9)
+    for tq in prefill_seqs:
+        rows += bench_prefill(tq, q_heads, kv_heads, d, dtype, impls - {"jax_gqa"}, interpret,
+                              repeats, peaks["matmul_tflops"] * 1e12)
+
+    meta = dict(jax=jax.__version__, python=platform.python_version(), target=target,
+                heads=[q_heads, kv_heads], head_dim=d, dtype=str(dtype), quick=quick,
+                decode_block=tuning.block_sizes("decode", d, dtype, "cpu" if interpret else device),
+                prefill_block=tuning.block_sizes("prefill", d, dtype, "cpu" if interpret else device),
+                attention_impl=tuning.resolve_attention_impl("auto", device), peaks=peaks)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
+    print(json.dumps(meta, default=str))
+    print(markdown(rows, peaks))
+
+
+if __name__ == "__main__":
+    main()

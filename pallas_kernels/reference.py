@@ -1,0 +1,78 @@
+"""Plain-JAX attention with the kernels' signatures: the test oracle and the engine's "xla" path.
+
+GQA is an einsum over q reshaped to [.., kv_heads, G, D] (query head h uses kv head h // G, the
+HF/Qwen repeat_interleave convention), so K/V are never repeated. Logits and softmax are float32;
+P is cast to V's dtype for the second matmul (as the kernels do), accumulating in float32.
+Block/interpret arguments are accepted and ignored. With `slots`, the cache rows are gathered first
+(a copy of the selected rows); pass slots=None when cache row s already belongs to query row s.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _precision(dtype):
+    """float32 gets exact products (the GPU default would be TF32); 16-bit inputs are exact anyway."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+def _rows(cache: jax.Array, slots: jax.Array | None, n: int) -> jax.Array:
+    """The cache rows of the n query rows: slots[i], or row i (a free slice) when slots is None."""
+    return cache[:n] if slots is None else jnp.take(cache, slots, axis=0)
+
+
+def _attend(logits, mask, v, pv_spec):
+    """Masked float32 softmax then P @ V; a row with no visible key comes out as exact zeros."""
+    logits = jnp.where(mask, logits, _MASK)
+    p = jnp.where(mask, jnp.exp(logits - logits.max(axis=-1, keepdims=True)), 0.0)
+    denom = p.sum(axis=-1)[..., None]
+    o = jnp.einsum(pv_spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32,
+                   precision=_precision(v.dtype))
+    return jnp.where(denom > 0, o / jnp.maximum(denom, 1e-30), 0.0)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "interpret", "num_splits"))
+def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=None, interpret=False,
+                     slots=None, num_splits=None):
+    """[S, q_heads, D] attention of each query row over the first lengths[s] keys of its cache row."""
+    del block_k, interpret, num_splits
+    s, q_heads, d = q.shape
+    kv_heads, t = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    k, v = _rows(k_cache, slots, s), _rows(v_cache, slots, s)
+    qg = q.reshape(s, kv_heads, q_heads // kv_heads, d)
+    logits = jnp.einsum("skgd,sktd->skgt", qg, k, preferred_element_type=jnp.float32,
+                        precision=_precision(q.dtype)) * scale
+    mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, :]
+    o = _attend(logits, mask, v, "skgt,sktd->skgd")
+    return o.reshape(s, q_heads, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "interpret"))
+def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, block_q=None,
+                      block_k=None, interpret=False, slots=None):
+    """[B, Tq, q_heads, D] causal attention of new tokens at starts[b] + i over their cache row.
+
+    Rows i >= q_lengths[b] are padding and come out as zeros.
+    """
+    del block_q, block_k, interpret
+    b, tq, q_heads, d = q.shape
+    kv_heads, t = k_cache.shape[1], k_cache.shape[2]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    k, v = _rows(k_cache, slots, b), _rows(v_cache, slots, b)
+    qg = q.reshape(b, tq, kv_heads, q_heads // kv_heads, d)
+    logits = jnp.einsum("bqkgd,bktd->bkgqt", qg, k, preferred_element_type=jnp.float32,
+                        precision=_precision(q.dtype)) * scale
+    row = jnp.arange(tq)[None, :]
+    pos = starts[:, None] + row                                                 # [B, Tq]
+    mask = ((jnp.arange(t)[None, None, :] <= pos[:, :, None])
+            & (row < q_lengths[:, None])[:, :, None])                           # [B, Tq, T]
+    o = _attend(logits, mask[:, None, None], v, "bkgqt,bktd->bkgqd")
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, tq, q_heads, d).astype(q.dtype)

@@ -1,0 +1,202 @@
+"""Block-size presets per GPU target and the choice of attention implementation.
+
+Targets (a string: "sm75", "sm80", "sm86", "sm90", "cpu"):
+  sm75  Turing (T4, RTX 20xx): 64 KiB shared memory, tensor cores for float16 only (no bfloat16
+        matmul). Presets exist so the numbers are written down, but Pallas never runs there, see below.
+  sm80  A100 / Orin: 163 KiB shared memory per block.
+  sm86  RTX 30xx / Ada (8.9) / consumer Blackwell (12.x): ~99 KiB shared memory per block.
+  sm90  H100 / H200 / datacenter Blackwell (10.x): 227 KiB shared memory per block.
+  cpu   interpret mode (tests, CPU benchmarks): fewer, bigger blocks mean fewer interpreter steps.
+
+Head dims 64/80/96/128: Triton needs every tensor dimension to be a power of two, so the kernels pad
+D to the next power of two (80 and 96 run as 128 with the extra columns masked at load time and never
+copied: the cache BlockSpec is simply wider than the array). Presets are therefore keyed by the padded
+head dim; `block_sizes` shrinks block_k (then num_stages) until the software-pipelined K/V tiles fit the
+target's shared memory, which is what float32 inputs need.
+
+What runs on SM75 (researched for jax 0.10 / 0.11, no sm75 machine was available to confirm):
+  * jaxlib <= 0.10.2: Pallas Triton lowers to XLA's `__gpu$xla.gpu.triton` custom call, which XLA
+    rejects below compute capability 8.0 ("FAILED_PRECONDITION: Triton support is only enabled for
+    Ampere GPUs (compute capability 8.0) and up", jax#26799, T4 on Colab).
+  * jaxlib > 0.10.2 (the team's 0.11): Pallas compiles the Triton module itself through jaxlib's Triton
+    extension and launches it with `triton_kernel_call_ffi` (the call jax-triton uses), so that XLA check
+    is gone, but upstream Triton only supports cc >= 8.0 (triton#5066 dropped MMAv1 and raised the README
+    minimum), sm75 has no bfloat16 MMA, and the Triton backend itself is deprecated since JAX 0.11.
+  * Mosaic GPU (the successor backend) targets Hopper (wgmma/TMA); its pre-Hopper path uses cp.async,
+    which needs sm80. jax-triton is a separate package that we do not install.
+  So on sm75 (and anything below 8.0) the only path we trust is XLA; "auto" picks it and an explicit
+  "pallas" falls back to it with a reason instead of crashing at compile time.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+
+# Largest dynamic shared memory one block may use, bytes (CUDA occupancy tables).
+SMEM_BYTES = {"sm75": 64 * 1024, "sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024,
+              "cpu": 1 << 30}
+
+# Decode is bandwidth-bound: one program streams K/V of one (slot, kv head[, split]); keys per step
+# = block_k, software-pipelined num_stages deep. Values: (block_k, num_warps, num_stages).
+_DECODE = {
+    "sm90": {64: (128, 4, 3), 128: (128, 4, 3)},
+    "sm80": {64: (128, 4, 3), 128: (128, 4, 2)},
+    "sm86": {64: (128, 4, 2), 128: (64, 4, 2)},
+    "sm75": {64: (64, 4, 2), 128: (64, 4, 1)},
+    "cpu": {64: (128, 4, 1), 128: (128, 4, 1)},
+}
+# Prefill is compute-bound: block_m query rows (tokens x padded GQA group) against block_k keys.
+# Values: (block_m, block_k, num_warps, num_stages); the Triton flash-attention tutorial's A100/H100
+# settings, halved where shared memory is smaller.
+_PREFILL = {
+    "sm90": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
+    "sm80": {64: (128, 64, 4, 3), 128: (128, 64, 8, 2)},
+    "sm86": {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)},
+    "sm75": {64: (64, 32, 4, 1), 128: (32, 32, 4, 1)},
+    "cpu": {64: (64, 64, 4, 1), 128: (64, 64, 4, 1)},
+}
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1): the size Triton needs for a tensor dimension."""
+    return 1 << max(0, math.ceil(math.log2(max(1, n))))
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim the kernels compute with: next power of two, at least 16 (the GPU dot's minimum K)."""
+    return max(16, next_pow2(head_dim))
+
+
+def _default_device(device):
+    return jax.devices()[0] if device is None else device
+
+
+def compute_capability(device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device, None for CPU, ROCm or when the runtime does not say."""
+    cc = getattr(device, "compute_capability", None)
+    if getattr(device, "platform", None) != "gpu" or not cc:
+        return None
+    try:
+        major, minor = str(cc).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return None
+
+
+def target(device: Any = None) -> str:
+    """The preset family for a device (a jax.Device, a target string, or None for the default)."""
+    if isinstance(device, str):
+        if device not in SMEM_BYTES:
+            raise ValueError(f"unknown target {device!r}; known: {sorted(SMEM_BYTES)}")
+        return device
+    device = _default_device(device)
+    cc = compute_capability(device)
+    if cc is None:
+        return "cpu"
+    if cc >= (9, 0) and cc < (12, 0):
+        return "sm90"
+    if cc in ((8, 0), (8, 7)):
+        return "sm80"
+    if cc >= (8, 0):
+        return "sm86"
+    return "sm75"
+
+
+def num_cores(device: Any = None) -> int:
+    """Streaming multiprocessors of a GPU (0 for CPU or unknown): sizes the split-K grid."""
+    if isinstance(device, str):
+        return {"sm90": 132, "sm80": 108, "sm86": 84, "sm75": 40}.get(device, 0)
+    device = _default_device(device)
+    if compute_capability(device) is None:
+        return 0
+    return int(getattr(device, "core_count", 0) or 0)
+
+
+def _smem(kind: str, cfg: dict, head_dim: int, itemsize: int) -> int:
+    """Bytes of shared memory the pipelined K and V tiles (plus the Q tile for prefill) take."""
+    kv = cfg["num_stages"] * 2 * cfg["block_k"] * head_dim * itemsize
+    return kv + (cfg["block_m"] * head_dim * itemsize if kind == "prefill" else 0)
+
+
+def block_sizes(kind: str, head_dim: int, dtype, device: Any = None) -> dict:
+    """Block sizes and launch parameters for a kernel kind ("decode" | "prefill") on a device.
+
+    Returns decode: {block_k, num_warps, num_stages, target}; prefill: {block_m, block_k, num_warps,
+    num_stages, target}. block_m counts query rows (tokens x padded GQA group), the prefill wrapper
+    turns it into block_q tokens.
+    """
+    if kind not in ("decode", "prefill"):
+        raise ValueError(f"kind must be 'decode' or 'prefill', got {kind!r}")
+    tgt = target(device)
+    dp = padded_head_dim(head_dim)
+    row = min(128, max(64, dp))  # presets exist for padded 64 and 128; 256 scales down below
+    if kind == "decode":
+        block_k, warps, stages = _DECODE[tgt][row]
+        cfg = dict(block_k=block_k, num_warps=warps, num_stages=stages)
+    else:
+        block_m, block_k, warps, stages = _PREFILL[tgt][row]
+        cfg = dict(block_m=block_m, block_k=block_k, num_warps=warps, num_stages=stages)
+    itemsize = jnp.dtype(dtype).itemsize
+    while _smem(kind, cfg, dp, itemsize) > SMEM_BYTES[tgt] and cfg["block_k"] > 16:
+        cfg["block_k"] //= 2
+    while _smem(kind, cfg, dp, itemsize) > SMEM_BYTES[tgt] and cfg["num_stages"] > 1:
+        cfg["num_stages"] -= 1
+    cfg["target"] = tgt
+    return cfg
+
+
+def compiler_params(num_warps: int, num_stages: int):
+    """Triton launch parameters, or None where this JAX has no Pallas Triton backend."""
+    try:
+        from jax.experimental.pallas import triton as plgpu
+    except ImportError:  # the backend is deprecated since JAX 0.11 and may disappear
+        return None
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _triton_available() -> bool:
+    try:
+        from jax.experimental.pallas import triton as plgpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_attention_impl(requested: str, device: Any = None) -> tuple[str, str]:
+    """(implementation that will run, one-line reason) for a requested attention implementation.
+
+    requested: "auto" | "xla" | "pallas" | "pallas_interpret". The result is "xla", "pallas" or
+    "pallas_interpret". Pallas runs only on CUDA GPUs with compute capability >= 8.0; elsewhere
+    "pallas" falls back to XLA with the reason in the second element (log it), so an engine config
+    never crashes on an older GPU.
+    """
+    if requested not in IMPLS:
+        from pocketjax.errors import ConfigError  # lazy: pocketjax may import this package
+
+        raise ConfigError(f"attention_impl must be one of {IMPLS}, got {requested!r}")
+    if requested == "xla":
+        return "xla", "XLA attention requested"
+    if requested == "pallas_interpret":
+        return "pallas_interpret", "Pallas kernels in interpret mode requested (slow; for tests)"
+    device = _default_device(device)
+    platform = getattr(device, "platform", "cpu")
+    if platform == "cpu":
+        if requested == "auto":
+            return "xla", "CPU: XLA attention (Pallas GPU kernels would only run interpreted)"
+        return "xla", ("pallas requested on CPU: falling back to XLA attention "
+                       "(use pallas_interpret to run the kernels interpreted)")
+    cc = compute_capability(device)
+    if cc is None:
+        return "xla", f"{platform} device without a CUDA compute capability: XLA attention"
+    if cc < (8, 0):
+        return "xla", (f"compute capability {cc[0]}.{cc[1]} < 8.0: Pallas Triton kernels are not "
+                       "supported there (jax#26799), using XLA attention")
+    if not _triton_available():
+        return "xla", "this JAX has no Pallas Triton backend: XLA attention"
+    return "pallas", (f"compute capability {cc[0]}.{cc[1]}: Pallas Triton kernels "
+                      f"({'auto' if requested == 'auto' else 'requested'})")
