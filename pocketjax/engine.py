@@ -367,13 +367,13 @@ class Engine:
         return bucket(needed, self.config.min_kv_bucket, self.max_seq_len)
 
     def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
-        """Move sampled tokens to the host and append them to their requests; mark finished ones."""
-        tokens, logprobs = np.asarray(out.tokens), np.asarray(out.logprobs)
-        top_ids, top_lps = np.asarray(out.top_ids), np.asarray(out.top_logprobs)
+        """Move sampled tokens to the host (one transfer) and append them to their requests; mark finished ones."""
+        out = jax.device_get(out)
         for i, req in rows:
-            token = int(tokens[i])
+            token = int(out.tokens[i])
             n = req.sampling.logprobs
-            req.logprobs.append((float(logprobs[i]), {int(t): float(lp) for t, lp in zip(top_ids[i, :n], top_lps[i, :n])}))
+            top = {int(t): float(lp) for t, lp in zip(out.top_ids[i, :n], out.top_logprobs[i, :n])} if n else {}
+            req.logprobs.append((float(out.logprobs[i]), top))
             req.generated_tokens.append(token)
             req.last_token = token
             results[id(req)] = token

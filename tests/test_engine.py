@@ -235,3 +235,14 @@ def test_errors_are_typed_and_engine_keeps_serving(qwen3):
     assert engine.supports_batching()
     (req,) = run(engine, good, GREEDY)
     assert len(req.generated_tokens) == GREEDY.max_tokens
+
+
+def test_pallas_interpret_generation_equals_xla(hf_checkpoint):
+    model = pj.load_model(hf_checkpoint("qwen3_kv1"))
+    prompts = random_prompts(13, (5, 21), model.config.vocab_size)
+    short = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    xla = run(Engine(model, max_batch_size=2, max_seq_len=64, prefill_chunk=16, attention_impl="xla"),
+              prompts, short)
+    kernels = run(Engine(model, max_batch_size=2, max_seq_len=64, prefill_chunk=16,
+                         attention_impl="pallas_interpret"), prompts, short)
+    assert [r.generated_tokens for r in kernels] == [r.generated_tokens for r in xla]

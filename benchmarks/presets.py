@@ -1,0 +1,120 @@
+"""Random-weight Hugging Face checkpoints for benchmarks: `qwen3-micro` (smoke test), `qwen3-tiny` (CI-fast) and
+`qwen3-0.6b` (real shapes).
+
+Weights are drawn with numpy and written with pocketjax's safetensors writer, so building the 0.6B preset takes
+seconds and needs no torch. transformers loads the folders as-is (same tensor names, config and dtype).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from pocketjax.checkpoint import expected_shapes, open_checkpoint, write_safetensors
+from pocketjax.config import ModelConfig
+
+PRESETS = {
+    "qwen3-micro": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                        tie_word_embeddings=True),  # the smoke test's: smallest compile times
+    "qwen3-tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                       tie_word_embeddings=True),
+    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                       tie_word_embeddings=True),
+}
+
+
+def preset_config(name: str, dtype: str = "float32") -> dict:
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+            "attention_bias": False, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "torch_dtype": dtype,
+            "bos_token_id": 0, "eos_token_id": 1, "use_sliding_window": False, **PRESETS[name]}
+
+
+def build_preset(name: str, folder: str | Path, dtype: str = "float32", seed: int = 0) -> Path:
+    """Write config.json + model.safetensors for a preset into folder (skipped if already there)."""
+    folder = Path(folder)
+    if (folder / "model.safetensors").exists():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = preset_config(name, dtype)
+    shapes = expected_shapes(ModelConfig.from_dict(cfg))
+    rng = np.random.default_rng(seed)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    tensors = {}
+    for tensor, shape in shapes.items():
+        if len(shape) == 1:
+            array = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+        else:
+            array = rng.standard_normal(shape, dtype=np.float32) * (1.0 / np.sqrt(shape[-1]))
+        tensors[tensor] = array.astype(np_dtype)
+    write_safetensors(folder / "model.safetensors", tensors)
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+# HF module name -> llama.cpp's GGUF tensor name (the names convert_hf_to_gguf.py writes for qwen2 / qwen3).
+GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+                    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+                    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+                    "mlp.down_proj": "ffn_down"}
+GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                     "lm_head.weight": "output.weight"}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    if hf_name in GGUF_GLOBAL_NAMES:
+        return GGUF_GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.<n>.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
+
+
+def write_gguf(folder: str | Path, out: str | Path, dtype: str = "float32") -> Path:
+    """Write an HF Qwen2/Qwen3 folder's weights as a GGUF file for llama.cpp (needs the `gguf` package).
+
+    For checkpoints without a tokenizer (the presets): the vocabulary is declared "no_vocab" with the model's size,
+    which llama.cpp accepts for token-id input. Matrices keep their HF [out, in] layout (GGUF lists dims reversed,
+    as llama.cpp expects) and Qwen's NEOX RoPE needs no Q/K permutation; 1-D norms are stored float32, as
+    convert_hf_to_gguf.py does. For a real checkpoint with tokenizer files prefer llama.cpp's own converter.
+    """
+    import gguf
+
+    folder, out = Path(folder), Path(out)
+    cfg = ModelConfig.from_folder(folder)
+    if cfg.rope.rope_type != "default":
+        raise ValueError(f"write_gguf handles default RoPE only, not {cfg.rope.rope_type!r}")
+    writer = gguf.GGUFWriter(str(out), cfg.model_type)
+    writer.add_block_count(cfg.num_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_heads)
+    writer.add_head_count_kv(cfg.num_kv_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope.theta)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_tokenizer_model("no_vocab")
+    file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
+                 "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+    writer.add_file_type(file_type)
+    for name, file in open_checkpoint(folder).items():
+        array, raw = file.tensor(name), None
+        if array.ndim == 1 or dtype == "float32":
+            array = array.astype(np.float32)
+        elif dtype == "float16":
+            array = array.astype(np.float16)
+        else:
+            array, raw = array.astype(ml_dtypes.bfloat16).view(np.uint16), gguf.GGMLQuantizationType.BF16
+        writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(array), raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -1,0 +1,147 @@
+"""Command line: `pocketjax generate | chat | bench | info` (also `python -m pocketjax`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+from .sampling import SamplingParams
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the embedded model)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"])
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed)
+
+
+def make_llm(args: argparse.Namespace):
+    from .llm import LLM
+    return LLM(args.model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dtype=args.dtype,
+               tp=args.tp, attention_impl=args.attention)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = args.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        print("no prompt given (pass PROMPT arguments or lines on stdin)", file=sys.stderr)
+        return 2
+    with make_llm(args) as llm:
+        sampling = sampling_from(args)
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # compile outside the timing
+        start = time.perf_counter()
+        if args.stream:
+            count = 0
+            for prompt in prompts:
+                print(prompt, end="", flush=True)
+                for piece in llm.stream(prompt, sampling):
+                    print(piece, end="", flush=True)
+                    count += 1
+                print()
+            tokens = count
+        else:
+            outs = llm.generate(prompts, sampling)
+            for prompt, out in zip(prompts, outs):
+                print(f"{prompt}{out.text}")
+                print(f"--- {len(out.token_ids)} tokens, finish_reason={out.finish_reason}")
+            tokens = sum(len(o.token_ids) for o in outs)
+        elapsed = time.perf_counter() - start
+        print(f"[pocketjax] {tokens} tokens in {elapsed:.2f} s = {tokens / elapsed:.1f} tokens/s "
+              f"({len(prompts)} prompt(s), attention={llm.engine.impl})", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    messages = []
+    with make_llm(args) as llm:
+        print("chat with the model; an empty line or EOF ends", file=sys.stderr)
+        for line in sys.stdin:
+            if not line.strip():
+                break
+            messages.append({"role": "user", "content": line.strip()})
+            reply = llm.chat(messages, sampling_from(args))
+            print(reply.text, flush=True)
+            messages.append({"role": "assistant", "content": reply.text})
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import jax
+
+    from .model import load_model
+    from .llm import DEFAULT_MODEL
+    from .layers import resolve_impl
+    model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp)
+    c = model.config
+    info = {
+        "path": model.path, "model_type": c.model_type, "layers": c.num_layers, "hidden": c.hidden_size,
+        "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
+        "parameters": c.num_params(), "dtype": str(model.dtype), "rope": c.rope.rope_type,
+        "devices": [str(d) for d in jax.devices()], "attention": resolve_impl(args.attention),
+    }
+    try:
+        from .memory import plan_memory
+        info["memory_plan"] = plan_memory(c, tp=args.tp, dtype=str(model.dtype), slots=args.max_batch_size,
+                                          max_seq_len=args.max_seq_len).as_dict()
+    except ImportError:
+        pass
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_engine.py"
+    if not script.exists():
+        print("benchmarks/bench_engine.py is not available in this installation", file=sys.stderr)
+        return 2
+    sys.argv = [str(script)] + args.rest
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pocketjax", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="complete prompts (args or stdin lines)")
+    gen.add_argument("prompt", nargs="*")
+    gen.add_argument("--stream", action="store_true")
+    chat = sub.add_parser("chat", help="interactive chat with the chat template")
+    info = sub.add_parser("info", help="config, parameter count, memory plan, devices, attention path")
+    for p in (gen, chat, info):
+        add_model_args(p)
+    for p in (gen, chat):
+        add_sampling_args(p)
+    bench = sub.add_parser("bench", help="benchmarks/bench_engine.py (arguments pass through)")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[pocketjax] %(message)s"))
+    logging.getLogger("pocketjax").addHandler(handler)
+    logging.getLogger("pocketjax").setLevel(logging.INFO)
+    return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "bench": cmd_bench}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""LLM: the user-level API (generate / stream / chat) over a background Scheduler and the checkpoint's tokenizer."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .engine import Completion, Engine
+from .errors import RequestError
+from .model import Model, load_model
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .tokenizer import Tokenizer
+
+DEFAULT_MODEL = Path(__file__).parent / "assets" / "pocket-coder"
+
+
+class LLM:
+    """Load a checkpoint folder (default: the embedded model) and serve prompts through continuous batching.
+
+    Prompts are strings (tokenized with the checkpoint's tokenizer.json) or token-id lists. The scheduler runs on
+    a background thread from the first request until `close()` (or the end of a `with` block).
+    """
+
+    def __init__(self, model: str | Path | Model | None = None, max_batch_size: int = 8, max_seq_len: int = 2048,
+                 dtype: str | None = None, tp: int = 1, attention_impl: str = "auto", prefill_chunk: int = 512,
+                 seed: int = 0, tokenizer: Tokenizer | None = None):
+        if not isinstance(model, Model):
+            model = load_model(model or DEFAULT_MODEL, dtype=dtype, tp=tp)
+        self.model = model
+        self.tokenizer = tokenizer
+        if self.tokenizer is None and model.path and (Path(model.path) / "tokenizer.json").exists():
+            self.tokenizer = Tokenizer.from_folder(model.path)
+        self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                             prefill_chunk=prefill_chunk, attention_impl=attention_impl, seed=seed)
+        self.scheduler = Scheduler(self.engine, max_waiting=1 << 20, tokenizer=self.tokenizer)  # generate() queues all
+        self.started = False
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the background scheduler thread (requests still running end "cancelled")."""
+        if self.started:
+            self.scheduler.stop()
+            self.started = False
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt: strings go through the tokenizer, id lists pass through."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model folder has no tokenizer.json: pass token ids instead of text")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None):
+        """Queue one prompt on the background scheduler; returns its handle."""
+        if not self.started:
+            self.scheduler.start()
+            self.started = True
+        return self.scheduler.submit(self.encode(prompt), sampling or SamplingParams())
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[Completion]:
+        """One Completion per prompt, in order; all prompts run concurrently (continuous batching)."""
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
+        if len(params) != len(prompts):
+            raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+        handles = [self.submit(p, s) for p, s in zip(prompts, params)]
+        show = len(handles) >= 16 if use_tqdm is None else use_tqdm
+        if show:
+            from tqdm.auto import tqdm
+            handles_iter: Any = tqdm(handles, desc="generate", unit="req")
+        else:
+            handles_iter = handles
+        return [h.result() for h in handles_iter]
+
+    def stream(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None) -> Iterator[str]:
+        """Text pieces of one completion as they are generated (never splitting a UTF-8 character)."""
+        yield from self.submit(prompt, sampling).text_stream()
+
+    def chat(self, messages: list[dict[str, Any]], sampling: SamplingParams | None = None) -> Completion:
+        """The assistant's reply to a conversation, rendered with the checkpoint's chat template."""
+        if self.tokenizer is None:
+            raise RequestError("this model folder has no tokenizer: chat needs a chat template")
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate(prompt, sampling)[0]

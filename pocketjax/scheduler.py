@@ -1,0 +1,354 @@
+"""FCFS continuous-batching scheduler: requests join and leave the engine's slots between steps.
+
+One step admits waiting requests into free slots (oldest first), runs ONE budgeted prefill call, then ONE decode
+call for every request whose prompt was already in its slot, and hands the new tokens to the requests' handles.
+The token budget bounds how long a long prompt can hold up the running decodes: at most one chunk per step.
+
+Only the thread that runs `step()` touches the engine. Other threads submit and cancel under one Condition,
+which the background loop sleeps on when there is nothing to do.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+from .engine import BatchedRequest, Completion, Engine
+from .errors import CapacityError, ConfigError, PocketJaxError, RequestError
+from .sampling import SamplingParams
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+class RequestHandle:
+    """A submitted request: stream its tokens (sync or async), wait for its Completion, or cancel it.
+
+    Tokens and text pieces are kept in lists rather than queues so several readers (a token stream, a text
+    stream, result()) can follow one request independently.
+    """
+
+    def __init__(self, scheduler: Scheduler, request: BatchedRequest, tokenizer: Tokenizer | None):
+        self.request = request
+        self._scheduler = scheduler
+        self._cond = threading.Condition()
+        self._tokens: list[int] = []
+        self._pieces: list[str] = []
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+        self.cancel_requested = False
+        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_tokens) if tokenizer else None
+        self._matcher = StopStringMatcher(request.sampling.stop) if tokenizer else None
+
+    @property
+    def request_id(self) -> Any:
+        return self.request.request_id
+
+    @property
+    def cached_prefix_len(self) -> int:
+        """Prompt tokens this request found already cached in the engine (prefix reuse) when it was admitted."""
+        return self.request.cached_prefix_len
+
+    # ---- caller side -------------------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the request finished, failed or was cancelled."""
+        return self._completion is not None or self._error is not None
+
+    def cancel(self) -> None:
+        """Stop generating: a waiting request leaves the queue now, a running one frees its slot at the next step."""
+        self._scheduler.cancel(self)
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until the request ends; raises its error if it failed, TimeoutError if `timeout` passes first."""
+        with self._cond:
+            if not self._cond.wait_for(self.done, timeout):
+                raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._completion
+
+    def __iter__(self) -> Iterator[int]:
+        """Token ids as they are produced; raises the request's error at the end if it failed."""
+        return self._follow(self._tokens)
+
+    def text_stream(self) -> Iterator[str]:
+        """Text pieces as they are produced (whole characters, cut before any stop string); needs a tokenizer."""
+        if self._detok is None:
+            raise ConfigError("text_stream() needs a Scheduler created with a tokenizer")
+        return self._follow(self._pieces)
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        """`async for token in handle`: waits on an asyncio.Event the scheduler sets thread-safely, so no
+        executor thread is parked per stream."""
+        return self._afollow(self._tokens)
+
+    def _follow(self, items: list) -> Iterator:
+        i = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(items) > i or self.done())
+                new, finished = items[i:], self.done()  # a finished request's items are all in
+            yield from new
+            i += len(new)
+            if finished:
+                break
+        self._raise_error()
+
+    async def _afollow(self, items: list) -> AsyncIterator:
+        loop = asyncio.get_running_loop()
+        i = 0
+        while True:
+            event = asyncio.Event()
+            with self._cond:
+                new, finished = items[i:], self.done()
+                if not new and not finished:
+                    self._waiters.append((loop, event))
+            if not new and not finished:
+                await event.wait()
+                continue
+            for item in new:
+                yield item
+            i += len(new)
+            if finished:
+                break
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # ---- scheduler side ----------------------------------------------------------------------------------------
+    def _push(self, tokens: Sequence[int]) -> bool:
+        """Hand new tokens to readers; returns True when a stop string ended the text (drop later tokens)."""
+        stopped, pieces = False, []
+        for i, token in enumerate(tokens):
+            if self._matcher is not None:
+                pieces.append(self._matcher.add(self._detok.add(token)))
+                if self._matcher.stopped:
+                    tokens, stopped = tokens[: i + 1], True
+                    break
+        with self._cond:
+            self._tokens.extend(tokens)
+            self._pieces.extend(p for p in pieces if p)
+            self._wake()
+        return stopped
+
+    def _finish(self, reason: str | None) -> None:
+        tail = ""
+        if self._matcher is not None and not self._matcher.stopped:
+            tail = self._matcher.add(self._detok.flush()) + self._matcher.flush()
+        req = self.request
+        with self._cond:
+            if tail:
+                self._pieces.append(tail)
+            text = "".join(self._pieces) if self._detok is not None else None
+            self._completion = Completion(list(self._tokens), text, reason, req.logprobs[: len(self._tokens)],
+                                          list(req.prompt_tokens), req.request_id)
+            self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake sync readers and async readers; called with self._cond held."""
+        self._cond.notify_all()
+        for loop, event in self._waiters:
+            loop.call_soon_threadsafe(event.set)
+        self._waiters.clear()
+
+
+class Scheduler:
+    """FCFS continuous batching over one Engine; `step()` by hand, or `start()` a background loop."""
+
+    def __init__(self, engine: Engine, max_waiting: int = 1024, prefill_token_budget: int | None = None,
+                 tokenizer: Tokenizer | None = None):
+        budget = engine.config.prefill_chunk if prefill_token_budget is None else prefill_token_budget
+        for name, value in (("max_waiting", max_waiting), ("prefill_token_budget", budget)):
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.prefill_token_budget = budget
+        self.tokenizer = tokenizer
+        self.waiting: deque[RequestHandle] = deque()
+        self.running: list[RequestHandle] = []  # admitted: holding a slot, prefilling or decoding
+        self._live: dict[Any, RequestHandle] = {}  # request_id -> handle, waiting or running
+        self._cond = threading.Condition()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- callers (any thread) ------------------------------------------------------------------------------------
+    def submit(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None,
+               request_id: Any = None) -> RequestHandle:
+        """Queue a request without blocking; raises CapacityError when the waiting queue is full.
+
+        An invalid request does not raise here: its handle fails with the typed error, as it would at admission,
+        so a caller handles every per-request failure in one place (result() or the stream).
+        """
+        request = BatchedRequest(request_id, list(prompt_tokens), sampling or SamplingParams())
+        with self._cond:
+            if len(self.waiting) >= self.max_waiting:
+                raise CapacityError(f"waiting queue is full ({self.max_waiting} requests)")
+            if request_id is None:
+                request.request_id = f"req-{next(self._ids)}"
+            try:
+                self._check(request)
+            except PocketJaxError as error:
+                handle = RequestHandle(self, request, None)
+                handle._fail(error)
+                return handle
+            handle = RequestHandle(self, request, self.tokenizer)
+            self._live[request.request_id] = handle
+            self.waiting.append(handle)
+            self._cond.notify_all()
+        return handle
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Cancel a request: a waiting one ends now; a running one ends (and frees its slot) at the next step."""
+        with self._cond:
+            if handle.done():
+                return
+            if handle in self.waiting:
+                self.waiting.remove(handle)
+                self._live.pop(handle.request_id, None)
+                handle._finish("cancelled")
+            else:
+                handle.cancel_requested = True
+                self._cond.notify_all()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One blocking iteration: admit, prefill one budget, decode every running request, deliver; True if
+        work remains."""
+        with self._cond:
+            if self._thread is not None and threading.current_thread() is not self._thread:
+                raise RuntimeError("step() is driven by the background loop while it runs; call stop() first")
+            self._retire_cancelled()
+            self._admit()
+            batch = list(self.running)
+        prefilling = [h for h in batch if h.request.last_token is None]
+        decoding = [h for h in batch if h.request.last_token is not None and not h.request.finished]
+        self._run(self.engine.batch_prefill, prefilling, token_budget=self.prefill_token_budget)
+        self._run(self.engine.batch_decode_step, decoding)
+        with self._cond:
+            for handle in batch:
+                self._deliver(handle)
+            return self.has_work()
+
+    def start(self) -> Scheduler:
+        """Run `step()` on a background thread that sleeps while there is no work."""
+        with self._cond:
+            if self._thread is not None:
+                return self
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="pocketjax-scheduler", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the background loop; requests still waiting or running end "cancelled" (result() returns)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        with self._cond:
+            for handle in self.waiting:
+                handle._finish("cancelled")
+            self.waiting.clear()
+            for handle in self.running:
+                handle.cancel_requested = True
+            self._retire_cancelled()
+            self._live.clear()
+
+    def __enter__(self) -> Scheduler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stopping or self.has_work())
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as error:  # noqa: BLE001 - a bug in delivery must not kill the loop and hang readers
+                self._fail_running(error)
+
+    # ---- internals (the loop thread; `self._cond` held where noted) ----------------------------------------------
+    def _check(self, request: BatchedRequest) -> None:
+        """Raise the typed error a request would hit later, so it fails at submit. Holds `self._cond`."""
+        if request.request_id in self._live:
+            raise RequestError(f"request_id {request.request_id!r} is already in flight")
+        self.engine.validate(request)
+        if request.sampling.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a Scheduler created with a tokenizer")
+        StopStringMatcher(request.sampling.stop)
+
+    def _admit(self) -> None:
+        """Move waiting requests, oldest first, into free slots (the engine picks the slot with the longest
+        cached prefix of the prompt). Holds `self._cond`."""
+        while self.waiting and self.engine.free_slots:
+            handle = self.waiting.popleft()
+            try:
+                self.engine.allocate_slot(handle.request)
+            except PocketJaxError as error:
+                self._live.pop(handle.request_id, None)
+                handle._fail(error)
+                continue
+            self.running.append(handle)
+
+    def _run(self, call, handles: list[RequestHandle], **kwargs: Any) -> None:
+        """One engine call; if it raises, only the requests in it fail (their slots are freed)."""
+        if not handles:
+            return
+        try:
+            call([h.request for h in handles], **kwargs)
+        except Exception as error:  # noqa: BLE001 - any failure belongs to these requests, not to the loop
+            with self._cond:
+                for handle in handles:
+                    self._release(handle)
+                    handle._fail(error)
+
+    def _deliver(self, handle: RequestHandle) -> None:
+        """Pass a request's new tokens to its handle; retire it if it finished. Holds `self._cond`."""
+        if handle.done():
+            return
+        req = handle.request
+        stopped = handle._push(req.generated_tokens[len(handle._tokens):])
+        if stopped:
+            req.finished, req.finish_reason = True, "stop"
+        if req.finished:
+            self._release(handle)
+            handle._finish(req.finish_reason)
+
+    def _fail_running(self, error: BaseException) -> None:
+        with self._cond:
+            for handle in list(self.running):
+                self._release(handle)
+                handle._fail(error)
+
+    def _retire_cancelled(self) -> None:
+        """End running requests whose cancel() arrived since the last step. Holds `self._cond`."""
+        for handle in [h for h in self.running if h.cancel_requested]:
+            self._release(handle)
+            handle._finish("cancelled")
+
+    def _release(self, handle: RequestHandle) -> None:
+        """Give a running request's slot back to the engine. Holds `self._cond`."""
+        if handle in self.running:
+            self.running.remove(handle)
+            self.engine.free_slot(handle.request_id)
+        self._live.pop(handle.request_id, None)
