@@ -3,6 +3,7 @@ from . import errors
 from .config import EngineConfig, ModelConfig
 from .engine import BatchedRequest, Completion, Engine
 from .llm import LLM
+from .memory import MemoryPlan, plan_memory
 from .model import Model, load_model, logits
 from .sampling import SamplingParams
 from .scheduler import RequestHandle, Scheduler
@@ -10,6 +11,6 @@ from .train import loss
 
 __all__ = [
     "errors", "ModelConfig", "EngineConfig", "Model", "load_model", "logits", "Engine", "BatchedRequest",
-    "Completion", "SamplingParams", "Scheduler", "RequestHandle", "LLM", "loss",
+    "Completion", "SamplingParams", "Scheduler", "RequestHandle", "LLM", "loss", "MemoryPlan", "plan_memory",
 ]
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ import numpy as np
 
 from .config import ModelConfig
 from .errors import CheckpointError
+from .quant import CheckpointScheme, checkpoint_scheme
 
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -183,6 +184,29 @@ LAYER_TENSORS = {
     "down": ("mlp.down_proj.weight", True),
 }
 
+
+def stored_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], available
+                  ) -> tuple[dict[str, tuple[int, ...]], dict[str, CheckpointScheme]]:
+    """(the tensors the checkpoint must hold, {linear weight name: its AWQ/GPTQ scheme}).
+
+    In an AWQ/GPTQ checkpoint a linear `X.weight` is stored as X.qweight/qzeros/scales(/g_idx) wherever X.qweight is
+    present; a linear left in float (modules_to_not_convert, lm_head) keeps its X.weight.
+    """
+    scheme = checkpoint_scheme(config)
+    if scheme is None:
+        return shapes, {}
+    stored: dict[str, tuple[int, ...]] = {}
+    quantized: dict[str, CheckpointScheme] = {}
+    for name, shape in shapes.items():
+        prefix = name.removesuffix(".weight")
+        if len(shape) == 2 and prefix + ".qweight" in available and name != "model.embed_tokens.weight":
+            stored |= scheme.tensor_shapes(prefix, *shape)
+            quantized[name] = scheme
+        else:
+            stored[name] = shape
+    return stored, quantized
+
+
 # Placer: receives our param path (e.g. ("layers", 3, "q")) and the host array in its final layout and dtype;
 # returns the device array. The default is jax.device_put; tensor parallelism passes one that shards.
 Placer = Callable[[tuple, np.ndarray], Any]
@@ -192,15 +216,18 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
     """Yield (param path, host array) one tensor at a time, validated against the config."""
     tensors = open_checkpoint(folder)
     shapes = expected_shapes(config)
+    stored, quantized = stored_shapes(config, shapes, tensors)
     tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    unexpected = sorted(set(tensors) - set(shapes) - tied_extra)
+    unexpected = sorted(set(tensors) - set(stored) - tied_extra)
     if unexpected:
         raise CheckpointError(f"unexpected tensor(s) in checkpoint: {', '.join(unexpected[:5])}")
-    missing = sorted(set(shapes) - set(tensors))
+    missing = sorted(set(stored) - set(tensors))
     if missing:
         raise CheckpointError(f"missing tensor(s) in checkpoint: {', '.join(missing[:5])}")
 
     def read(name: str, transpose: bool = False) -> np.ndarray:
+        if name in quantized:  # an AWQ/GPTQ QuantizedWeight, already [in, out]
+            return quantized[name].read(name.removesuffix(".weight"), *shapes[name], lambda n: tensors[n].tensor(n))
         array = tensors[name].tensor(name)
         if tuple(array.shape) != shapes[name]:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, config implies {shapes[name]}")

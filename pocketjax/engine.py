@@ -20,6 +20,7 @@ from .errors import CapacityError, ConfigError, RequestError
 from .kv_cache import KVCache, copy_prefix, init_cache
 from .layers import resolve_impl
 from .model import Model, decode_forward, prefill_forward
+from .sharding import init_sharded_cache
 from .sampling import MAX_LOGPROBS, SampleOutput, SamplingArrays, SamplingParams, pack_sampling, sample
 
 
@@ -176,11 +177,11 @@ class Engine:
             raise CapacityError(f"cannot reallocate slots while {len(self.slot_of)} are held")
         c = self.model.config
         self.cache = self.penalties = None  # drop the old cache before allocating the new one
-        cache = init_cache(c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, self.model.dtype)
-        if self.model.mesh is not None:
-            from .sharding import shard_cache
-            cache = shard_cache(cache, self.model.mesh)
-        self.cache = cache
+        shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, self.model.dtype)
+        if self.model.mesh is not None:  # created in its shards: the whole cache may not fit on one device
+            self.cache = init_sharded_cache(self.model.mesh, *shape)
+        else:
+            self.cache = init_cache(*shape)
         self.penalties = Penalties(jnp.zeros((n, c.vocab_size), bool), jnp.zeros((n, c.vocab_size), jnp.int32))
         self.slot_tokens: list[list[int]] = [[] for _ in range(n)]
         self.free_slots: list[int] = list(range(n))  # least recently freed first

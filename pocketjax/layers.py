@@ -10,7 +10,10 @@ import pallas_kernels
 from pallas_kernels import reference
 from pallas_kernels.tuning import resolve_attention_impl
 
+from . import quant
 from .config import ModelConfig, rope_frequencies
+from .quant import QuantizedWeight
+from .sharding import attention_over_heads
 
 log = logging.getLogger("pocketjax")
 ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -38,9 +41,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x @ w (+ b); weights are stored [in, out]."""
-    y = x @ w
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = None) -> jax.Array:
+    """x @ w (+ b); weights are stored [in, out], plain or quantized (dequantized inside the matmul)."""
+    y = quant.matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
     return y if b is None else y + b
 
 
@@ -73,12 +76,14 @@ def decode_attention(impl: str, q, k_cache, v_cache, lengths, slots=None, kv_len
     """One query token per slot over one layer's cache [S, Hkv, T, D], through the chosen implementation.
 
     The XLA path reads only the first `kv_len` positions (a static bucket); the kernels skip blocks by length.
+    On a sharded cache the kernels run per device on local heads (shard_map; XLA partitions the XLA path).
     """
     if impl == "xla":
         k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
         return reference.decode_attention(q, k_cache, v_cache, lengths, slots=slots)
-    return pallas_kernels.decode_attention(q, k_cache, v_cache, lengths, slots=slots,
-                                           interpret=impl == "pallas_interpret")
+    def kernel(q, k, v, lengths, slots):
+        return pallas_kernels.decode_attention(q, k, v, lengths, slots=slots, interpret=impl == "pallas_interpret")
+    return attention_over_heads(kernel, q, k_cache, v_cache, lengths, slots)
 
 
 def prefill_attention(impl: str, q, k_cache, v_cache, starts, q_lengths, slots=None, kv_len: int | None = None):
@@ -86,5 +91,7 @@ def prefill_attention(impl: str, q, k_cache, v_cache, starts, q_lengths, slots=N
     if impl == "xla":
         k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
         return reference.prefill_attention(q, k_cache, v_cache, starts, q_lengths, slots=slots)
-    return pallas_kernels.prefill_attention(q, k_cache, v_cache, starts, q_lengths, slots=slots,
-                                            interpret=impl == "pallas_interpret")
+    def kernel(q, k, v, starts, q_lengths, slots):
+        return pallas_kernels.prefill_attention(q, k, v, starts, q_lengths, slots=slots,
+                                                interpret=impl == "pallas_interpret")
+    return attention_over_heads(kernel, q, k_cache, v_cache, starts, q_lengths, slots)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import layers
+from . import layers, quant
 from .checkpoint import load_params
 from .config import DTYPES, ModelConfig
 from .errors import ConfigError, RequestError
@@ -42,13 +42,13 @@ class Model:
 
     @property
     def dtype(self):
-        return self.params["embed"].dtype
+        return self.params["final_norm"].dtype  # the embedding may be quantized
 
 
 def run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
                attend: Attend, state: Any) -> tuple[jax.Array, Any]:
     """Embedding and every decoder layer; returns the final-normed hidden states [B, T, H] and the attend state."""
-    x = params["embed"][tokens]
+    x = quant.embed(params["embed"], tokens, params["final_norm"].dtype)
     cos, sin = layers.rope_tables(config, positions, x.dtype)
     b, t, _ = x.shape
     eps = config.rms_norm_eps
@@ -62,8 +62,8 @@ def run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     """Float32 logits; a tied model reuses the embedding (contracting its hidden axis, no transpose copy)."""
-    if "lm_head" in params:
-        out = hidden @ params["lm_head"]
+    if "lm_head" in params or isinstance(params["embed"], quant.QuantizedWeight):  # quantized: [hidden, vocab]
+        out = layers.linear(hidden, params.get("lm_head", params["embed"]))
     else:
         out = jnp.einsum("...h,vh->...v", hidden, params["embed"])
     return out.astype(jnp.float32)
@@ -146,16 +146,22 @@ def load_model(path: str, dtype: str | None = None, tp: int = 1, quantize: str |
     dtype = dtype or config.dtype
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
-    if quantize is not None:
-        raise ConfigError(f"quantize={quantize!r} is not supported yet")
+    scheme = quant.checkpoint_scheme(config)
+    if quant.parse_mode(quantize) is not None and scheme is not None:
+        raise ConfigError(f"quantize={quantize!r}: the checkpoint is already {scheme.method} int{scheme.bits}")
     if tp != 1 or mesh is not None:
-        from .sharding import make_mesh, sharded_placer
+        from .sharding import make_mesh, mesh_tp, sharded_placer
         mesh = mesh if mesh is not None else make_mesh(tp)
+        if tp != 1 and tp != mesh_tp(mesh):
+            raise ConfigError(f"tp={tp} contradicts the mesh's 'tp' axis of size {mesh_tp(mesh)}")
         place = sharded_placer(mesh, config)
     else:
         def place(_, array):
             return jax.device_put(array)
-    params = load_params(folder, config, np.dtype(jnp.dtype(dtype)), place)
+    if quantize is not None or scheme is not None:  # quantize from float32, cast the rest to dtype
+        place = quant.quantizing_placer(place, quantize, np.dtype(jnp.dtype(dtype)), quant.sharding_fits(config, mesh))
+    read_dtype = jnp.float32 if quantize is not None else dtype
+    params = load_params(folder, config, np.dtype(jnp.dtype(read_dtype)), place)
     return Model(config=config, params=params, mesh=mesh, path=str(folder))
 
 

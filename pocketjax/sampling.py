@@ -365,8 +365,11 @@ def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
     Without the barrier XLA fuses consumers into the sort it lowers top_k to and then keeps the full sort
     (~400-800 ms) instead of rewriting it to TopK; measured, and visible as `sort` in the compiled HLO.
+    One barrier per output: a single barrier over the (values, ids) pair aborts XLA:CPU's TopkDecomposer when
+    the call is partitioned over several devices (tensor parallelism; "cannot be downcasted to GetTupleElement").
     """
-    return lax.optimization_barrier(lax.top_k(x, k))
+    values, ids = lax.top_k(x, k)
+    return lax.optimization_barrier(values), lax.optimization_barrier(ids)
 
 
 def _bisect(values: jax.Array, target: jax.Array, active: jax.Array, *, counting: bool) -> jax.Array:

@@ -1,0 +1,709 @@
+"""Engine throughput: warm prefill and decode tokens/s per concurrency, next to transformers (and llama.cpp), with
+each figure set against this machine's measured roofline. Prints a markdown table last; `--json` writes every record.
+
+    python benchmarks/bench_engine.py --model qwen3-0.6b --dtype float32 --concurrency 1,2,4,8 \
+        --prompt-len 128 --gen-len 64 --json out/bench.json --peers transformers --plot out/bench.png
+    python benchmarks/bench_engine.py --quick          # tiny preset, short lengths: about a minute on 2 cores
+
+Per concurrency c: c requests with distinct random prompts of --prompt-len tokens are prefilled in one
+`batch_prefill` (prefill tok/s = c * prompt_len / its time), then decoded for gen_len - 1 `batch_decode_step`s
+(decode tok/s = c * (gen_len - 1) / their time; the first generated token comes from the prefill). One untimed cycle
+compiles every shape first; the figures are medians over --repeats timed cycles. Two checks for issue 3 ride on the
+concurrency-1 record: the engine's per-token latency over a minimal jitted single-sequence greedy loop, and the
+decode step time with max_seq_len doubled at equal active length (flat when the cache is donated, not copied).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: pocketjax + siblings
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks import roofline  # noqa: E402
+from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from pocketjax.config import ModelConfig  # noqa: E402
+from pocketjax.engine import BatchedRequest, Engine, Penalties, bucket, decode_step, sample_next  # noqa: E402
+from pocketjax.kv_cache import init_cache  # noqa: E402
+from pocketjax.model import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
+from pocketjax.sampling import SamplingParams, pack_sampling  # noqa: E402
+
+DEFAULT_CACHE_DIR = "/tmp/pocketjax-bench"
+PEERS = ("transformers", "llamacpp")
+CHECK_GEN_LEN = 25  # tokens per request in the issue-3 checks: medians over ~100 steps per figure are plenty
+QUICK = dict(model="qwen3-tiny", concurrency="1,4", prompt_len=32, gen_len=16, repeats=3)
+
+
+def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
+    """The command line; with `suppress_defaults`, parsing returns only the options actually given."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                argument_default=argparse.SUPPRESS if suppress_defaults else None)
+    default = (lambda v: argparse.SUPPRESS) if suppress_defaults else (lambda v: v)  # noqa: E731
+    p.add_argument("--model", default=default("qwen3-0.6b"), help=f"HF folder or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--concurrency", default=default("1,2,4,8"), help="comma-separated numbers of concurrent requests")
+    p.add_argument("--prompt-len", type=int, default=default(128))
+    p.add_argument("--gen-len", type=int, default=default(64), help="tokens generated per request (first by prefill)")
+    p.add_argument("--repeats", type=int, default=default(3), help="timed cycles per concurrency; medians reported")
+    p.add_argument("--max-seq-len", type=int, default=default(0), help="engine max_seq_len (0: next power of two "
+                   ">= prompt + gen, at least 128)")
+    p.add_argument("--prefill-chunk", type=int, default=default(512))
+    p.add_argument("--attention", default=default("auto"), choices=["auto", "xla", "pallas", "pallas_interpret"])
+    p.add_argument("--peers", default=default("transformers"),
+                   help="comma-separated: transformers, llamacpp ('' for none)")
+    p.add_argument("--gguf", default=default(None),
+                   help="GGUF file for the llama.cpp peer (default: <model>/model-<dtype>.gguf)")
+    p.add_argument("--threads", type=int, default=default(0), help="peer threads (0: the CPUs this process may use)")
+    p.add_argument("--cache-dir", default=default(DEFAULT_CACHE_DIR), help="where presets are built")
+    p.add_argument("--json", default=default(None), help="write {machine, records} here")
+    p.add_argument("--plot", default=default(None), help="write decode/prefill tok/s vs concurrency here (png)")
+    p.add_argument("--no-checks", dest="checks", action="store_false", default=default(True),
+                   help="skip the issue-3 checks (minimal loop, doubled max_seq_len) and the time breakdown")
+    p.add_argument("--quick", action="store_true", default=default(False),
+                   help=f"smoke run: {QUICK} for whatever is not given")
+    return p
+
+
+def resolve_args(args: argparse.Namespace | dict | None = None, **kwargs) -> SimpleNamespace:
+    """Defaults, overridden by `args` and kwargs; --quick fills what was not given.
+
+    A dict or kwargs counts as given in full; for a Namespace (every option present), the values that differ from
+    the defaults count as given.
+    """
+    out = vars(build_parser().parse_args([]))
+    if isinstance(args, argparse.Namespace):
+        given = {k: v for k, v in vars(args).items() if v != out.get(k)}
+    else:
+        given = dict(args or {})
+    given.update(kwargs)
+    if given.get("quick"):
+        out.update(QUICK)
+    out.update(given)
+    out["concurrency"] = parse_ints(out["concurrency"])
+    out["peers"] = parse_names(out["peers"])
+    unknown = [p for p in out["peers"] if p not in PEERS]
+    if unknown:
+        raise SystemExit(f"unknown peer(s) {unknown}: choose from {', '.join(PEERS)}")
+    if out["prompt_len"] < 1 or out["gen_len"] < 2 or out["repeats"] < 1 or min(out["concurrency"]) < 1:
+        raise SystemExit("need prompt_len >= 1, gen_len >= 2, repeats >= 1 and concurrency >= 1")
+    if not out["max_seq_len"]:
+        out["max_seq_len"] = bucket(out["prompt_len"] + out["gen_len"], 128, 1 << 30)
+    return SimpleNamespace(**out)
+
+
+def parse_ints(value) -> list[int]:
+    if isinstance(value, str):
+        return [int(v) for v in value.split(",") if v.strip()]
+    return [int(v) for v in value]
+
+
+def parse_names(value) -> list[str]:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return list(value or [])
+
+
+def model_folder(args: SimpleNamespace) -> Path:
+    """The checkpoint folder: a preset is built once into cache_dir/<preset>-<dtype>."""
+    if args.model in PRESETS:
+        return build_preset(args.model, Path(args.cache_dir) / f"{args.model}-{args.dtype}", args.dtype)
+    folder = Path(args.model)
+    if not (folder / "config.json").exists():
+        raise SystemExit(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor an HF folder")
+    return folder
+
+
+def machine_info(args: SimpleNamespace, peaks: roofline.Peaks) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+            "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
+            "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
+            "numpy": np.__version__, "loadavg_start": list(os.getloadavg()), "peaks": asdict(peaks),
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}}
+    for name in ("torch", "transformers", "llama_cpp"):
+        try:
+            info[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001 - a missing or broken peer only loses its version line
+            info[name] = None
+    return info
+
+
+class Prompts:
+    """Random prompts whose first token differs across the whole run, so the engine's prefix reuse never hits."""
+
+    def __init__(self, vocab: int, seed: int = 0):
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.count = 0
+
+    def make(self, n: int, length: int) -> list[list[int]]:
+        out = []
+        for _ in range(n):
+            tokens = self.rng.integers(2, self.vocab, size=length).tolist()
+            tokens[0] = 2 + self.count % (self.vocab - 2)
+            self.count += 1
+            out.append(tokens)
+        return out
+
+
+# ---- pocketjax ------------------------------------------------------------------------------------------------------
+
+def engine_cycle(engine: Engine, prompts: list[list[int]], gen_len: int) -> tuple[float, list[float]]:
+    """Prefill then decode every prompt to gen_len tokens: (prefill seconds, seconds of each decode step)."""
+    sampling = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    reqs = [BatchedRequest(request_id=f"r{i}", prompt_tokens=p, sampling=sampling) for i, p in enumerate(prompts)]
+    for req in reqs:
+        engine.allocate_slot(req)
+    try:
+        t0 = time.perf_counter()
+        engine.batch_prefill(reqs)
+        prefill_s = time.perf_counter() - t0
+        steps = []
+        for _ in range(gen_len - 1):
+            t0 = time.perf_counter()
+            engine.batch_decode_step(reqs)
+            steps.append(time.perf_counter() - t0)
+    finally:
+        for req in reqs:
+            engine.free_slot(req.request_id)
+    return prefill_s, steps
+
+
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len"), donate_argnames=("cache",))
+def minimal_prefill(params, cache, tokens, *, config: ModelConfig, impl: str, kv_len: int):
+    """Batch-1 prefill of tokens [1, T] into slot 0; (cache, greedy first token)."""
+    zero, length = jnp.zeros((1,), jnp.int32), jnp.full((1,), tokens.shape[1], jnp.int32)
+    cache, logits = prefill_forward(params, config, impl, kv_len, cache, tokens, zero, zero, length)
+    return cache, jnp.argmax(logits[0]).astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len"), donate_argnames=("cache",))
+def minimal_decode(params, cache, token, position, *, config: ModelConfig, impl: str, kv_len: int):
+    """One greedy batch-1 step with the argmax in the jitted call: (cache, next token)."""
+    cache, logits = decode_forward(params, config, impl, kv_len, cache, token[None], jnp.zeros((1,), jnp.int32),
+                                   position[None], jnp.ones((1,), bool), dense=True)
+    return cache, jnp.argmax(logits[0]).astype(jnp.int32)
+
+
+def minimal_cycle(model, engine: Engine, prompt: list[int], gen_len: int, sync: bool) -> tuple[list[int], list[float]]:
+    """The baseline loop: one slot, no host bookkeeping. Returns (tokens, seconds of each of the gen_len - 1 steps).
+
+    With `sync`, each token is fetched to the host as it is made (as any streaming loop must, to check stops);
+    without, steps are dispatched back to back, only the last is waited for, and the mean step is returned.
+    """
+    c = model.config
+    s = engine.max_seq_len
+    cache = init_cache(c.num_layers, 1, c.num_kv_heads, s, c.head_dim, model.dtype)
+    kv = lambda n: bucket(n, engine.config.min_kv_bucket, s)  # noqa: E731 - the engine's kv bucket rule
+    cache, token = minimal_prefill(model.params, cache, jnp.asarray([prompt], jnp.int32), config=c,
+                                   impl=engine.impl, kv_len=kv(len(prompt)))
+    tokens, steps = [token], []
+    start = t0 = time.perf_counter()
+    for pos in range(len(prompt), len(prompt) + gen_len - 1):
+        cache, token = minimal_decode(model.params, cache, token, jnp.int32(pos), config=c, impl=engine.impl,
+                                      kv_len=kv(pos + 1))
+        if sync:
+            tokens.append(int(token))
+            steps.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+        else:
+            tokens.append(token)
+    jax.block_until_ready(token)
+    if not sync:
+        steps = [(time.perf_counter() - start) / (gen_len - 1)] * (gen_len - 1)
+    return [int(t) for t in tokens], steps
+
+
+def engine_tokens(engine: Engine, prompt: list[int], gen_len: int) -> tuple[list[int], list[float]]:
+    """One request through the engine: (its generated tokens, seconds of each decode step)."""
+    sampling = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    req = BatchedRequest(request_id="check", prompt_tokens=prompt, sampling=sampling)
+    engine.allocate_slot(req)
+    try:
+        engine.batch_prefill([req])
+        steps = []
+        for _ in range(gen_len - 1):
+            t0 = time.perf_counter()
+            engine.batch_decode_step([req])
+            steps.append(time.perf_counter() - t0)
+    finally:
+        engine.free_slot(req.request_id)
+    return req.generated_tokens, steps
+
+
+def issue3_checks(model, engine: Engine, prompts: Prompts, args: SimpleNamespace) -> dict:
+    """(a) engine c=1 vs the minimal loop, per-token latency; (b) engine c=1 step time with max_seq_len doubled.
+
+    The runs are interleaved per repeat so that load from other processes hits them alike, and each figure is the
+    median over every step of every repeat (robust to the bursts of a shared machine).
+    """
+    doubled = Engine(model, max_batch_size=engine.num_slots, max_seq_len=2 * engine.max_seq_len,
+                     prefill_chunk=args.prefill_chunk, attention_impl=args.attention)
+    runs = {"engine": [], "minimal": [], "minimal_async": [], "doubled": []}
+    match = []
+    gen = min(args.gen_len, CHECK_GEN_LEN)
+    for r in range(args.repeats + 1):  # the first round compiles
+        prompt = prompts.make(1, args.prompt_len)[0]
+        theirs, engine_steps = engine_tokens(engine, prompt, gen)
+        mine, minimal_steps = minimal_cycle(model, engine, prompt, gen, sync=True)
+        _, async_steps = minimal_cycle(model, engine, prompt, gen, sync=False)
+        _, doubled_steps = engine_tokens(doubled, prompts.make(1, args.prompt_len)[0], gen)
+        if r == 0:
+            continue
+        match.append(mine == theirs)
+        for key, steps in zip(runs, (engine_steps, minimal_steps, async_steps, doubled_steps)):
+            runs[key].extend(steps)
+    del doubled
+    med = {k: float(np.median(v)) for k, v in runs.items()}
+    return {
+        "engine_c1_ms_per_token": 1e3 * med["engine"],
+        "minimal_loop_ms_per_token": 1e3 * med["minimal"],
+        "minimal_loop_async_ms_per_token": 1e3 * med["minimal_async"],
+        "batched_vs_minimal_ratio": med["engine"] / med["minimal"],
+        "minimal_loop_tokens_match": all(match),
+        "max_seq_len": engine.max_seq_len,
+        "doubled_max_seq_len_step_ms": 1e3 * med["doubled"],
+        "doubled_max_seq_len_ratio": med["doubled"] / med["engine"],
+    }
+
+
+def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: SimpleNamespace) -> dict:
+    """Where one decode step's time goes at concurrency c: the forward (of which lm_head), the sampler, the host.
+
+    Interleaves, step by step, a real engine decode step over c requests with the engine's own jitted forward and
+    sampler called alone on a scratch cache of the same shapes (so they reuse the engine's compiled executables)
+    and `lm_head` alone on [rows, hidden]. host = engine step - forward - sampler: bookkeeping, packing, transfers.
+    """
+    cfg = model.config
+    rows = bucket(c, 1, engine.num_slots)
+    dense = rows == engine.num_slots
+    context = args.prompt_len
+    kv_len = bucket(context + 1, engine.config.min_kv_bucket, engine.max_seq_len) if engine.impl == "xla" \
+        else engine.max_seq_len
+    state = {"cache": init_cache(cfg.num_layers, engine.num_slots, cfg.num_kv_heads, engine.max_seq_len,
+                                 cfg.head_dim, model.dtype),
+             "penalties": Penalties(jnp.zeros((engine.num_slots, cfg.vocab_size), bool),
+                                    jnp.zeros((engine.num_slots, cfg.vocab_size), jnp.int32))}
+    tokens = np.arange(2, 2 + rows, dtype=np.int32) % cfg.vocab_size
+    slots = np.arange(rows, dtype=np.int32) if dense else np.zeros(rows, np.int32)
+    slots[:c] = np.arange(c)
+    positions = np.full(rows, context, np.int32)
+    active = np.arange(rows) < c
+    sampling = pack_sampling([SamplingParams(temperature=0.0)] * rows, [0] * rows)
+    no_steps = np.zeros(rows, np.int32)
+    hidden = jnp.ones((rows, cfg.hidden_size), model.dtype)
+    head = jax.jit(lm_head)
+
+    def forward():
+        state["cache"], logits = decode_step(model.params, state["cache"], tokens, slots, positions, active,
+                                             config=cfg, impl=engine.impl, kv_len=kv_len, dense=dense)
+        state["logits"] = logits.block_until_ready()
+
+    def sampler():
+        state["penalties"], out = sample_next(state["penalties"], state["logits"], slots, active, no_steps,
+                                              sampling, num_top=0)
+        np.asarray(out.tokens)
+
+    def head_only():
+        head(model.params, hidden).block_until_ready()
+
+    sp = SamplingParams(max_tokens=args.gen_len, temperature=0.0, ignore_eos=True)
+    reqs = [BatchedRequest(request_id=f"b{i}", prompt_tokens=p, sampling=sp)
+            for i, p in enumerate(prompts.make(c, args.prompt_len))]
+    for req in reqs:
+        engine.allocate_slot(req)
+    times = {"step": [], "forward": [], "sampler": [], "lm_head": []}
+    try:
+        engine.batch_prefill(reqs)
+        forward(), sampler(), head_only()  # compiles lm_head alone; the others are the engine's executables
+        for _ in range(min(args.gen_len - 1, 2 * args.repeats + 3)):
+            for key, fn in (("step", lambda: engine.batch_decode_step(reqs)), ("forward", forward),
+                            ("sampler", sampler), ("lm_head", head_only)):
+                t0 = time.perf_counter()
+                fn()
+                times[key].append(time.perf_counter() - t0)
+    finally:
+        for req in reqs:
+            engine.free_slot(req.request_id)
+    ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+    return {"breakdown_step_ms": ms["step"], "forward_ms": ms["forward"], "lm_head_ms": ms["lm_head"],
+            "layers_ms": ms["forward"] - ms["lm_head"], "sampler_ms": ms["sampler"],
+            "host_ms": ms["step"] - ms["forward"] - ms["sampler"]}
+
+
+def bench_pocketjax(folder: Path, args: SimpleNamespace) -> tuple[list[dict], ModelConfig]:
+    model = load_model(str(folder), dtype=args.dtype)
+    engine = Engine(model, max_batch_size=max(args.concurrency), max_seq_len=args.max_seq_len,
+                    prefill_chunk=args.prefill_chunk, attention_impl=args.attention)
+    prompts = Prompts(model.config.vocab_size)
+    records = []
+    for c in args.concurrency:
+        t0 = time.perf_counter()
+        engine_cycle(engine, prompts.make(c, args.prompt_len), args.gen_len)  # compiles this c's shapes
+        warmup_s = time.perf_counter() - t0
+        prefills, decodes, steps = [], [], []
+        for _ in range(args.repeats):
+            prefill_s, step_s = engine_cycle(engine, prompts.make(c, args.prompt_len), args.gen_len)
+            prefills.append(prefill_s)
+            decodes.append(sum(step_s))
+            steps.extend(step_s)
+        n_steps = args.gen_len - 1
+        rec = {"system": "pocketjax", "dtype": args.dtype, "concurrency": c,
+               "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
+               "decode_tok_s": c * n_steps / float(np.median(decodes)),
+               "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
+               "decode_step_ms_median": 1e3 * float(np.median(steps)),
+               "decode_step_ms_p10_p90": [1e3 * float(np.percentile(steps, q)) for q in (10, 90)],
+               "prefill_s_runs": prefills, "decode_s_runs": decodes, "warmup_s": warmup_s,
+               "engine_slots": engine.num_slots, "attention_impl": engine.impl}
+        if args.checks:
+            rec.update(step_breakdown(model, engine, prompts, c, args))
+        records.append(rec)
+        print(f"pocketjax c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s "
+              f"({rec['decode_step_ms']:.1f} ms/step; warm-up {warmup_s:.1f} s)", flush=True)
+    if args.checks:
+        checks = issue3_checks(model, engine, prompts, args)
+        c1 = next((r for r in records if r["concurrency"] == 1), None)
+        if c1 is None:
+            records.append(c1 := {"system": "pocketjax", "dtype": args.dtype, "concurrency": 1})
+        c1.update(checks)
+        print(f"pocketjax checks: batched/minimal per-token {checks['batched_vs_minimal_ratio']:.3f} "
+              f"(target <= 1.05), 2x max_seq_len step ratio {checks['doubled_max_seq_len_ratio']:.3f} "
+              f"(target < 1.10)", flush=True)
+    config = model.config
+    del engine, model
+    gc.collect()
+    return records, config
+
+
+# ---- peers ----------------------------------------------------------------------------------------------------------
+
+def peer_threads(args: SimpleNamespace) -> int:
+    return args.threads or len(os.sched_getaffinity(0))
+
+
+def bench_transformers(folder: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
+    """transformers' generate on the same checkpoint and dtype: PyTorch CPU, greedy, KV cache, batch = c.
+
+    Prefill tok/s from one forward over the batch (logits for the last position only, as generate does);
+    decode tok/s from generate(max_new_tokens = min_new_tokens = gen_len) minus that prefill time.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(peer_threads(args))
+    torch_dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype).eval()
+    prompts = Prompts(vocab, seed=1)
+    records = []
+    for c in args.concurrency:
+        def cycle(new_tokens: int) -> tuple[float, float]:
+            ids = torch.tensor(prompts.make(c, args.prompt_len))
+            mask = torch.ones_like(ids)
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
+                prefill_s = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                     min_new_tokens=new_tokens, do_sample=False, use_cache=True,
+                                     pad_token_id=0, eos_token_id=None)
+                generate_s = time.perf_counter() - t0
+            assert out.shape[1] == args.prompt_len + new_tokens
+            return prefill_s, generate_s
+
+        cycle(2)  # warm-up: allocator, kernels, generate's setup
+        runs = [cycle(args.gen_len) for _ in range(args.repeats)]
+        prefills = [p for p, _ in runs]
+        decodes = [max(g - p, 1e-9) for p, g in runs]
+        n_steps = args.gen_len - 1
+        rec = {"system": "transformers", "dtype": args.dtype, "concurrency": c,
+               "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
+               "decode_tok_s": c * n_steps / float(np.median(decodes)),
+               "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
+               "prefill_s_runs": prefills, "decode_s_runs": decodes, "threads": torch.get_num_threads()}
+        records.append(rec)
+        print(f"transformers c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} "
+              f"tok/s ({rec['decode_step_ms']:.1f} ms/step)", flush=True)
+    del model
+    gc.collect()
+    return records
+
+
+def gguf_path(folder: Path, args: SimpleNamespace) -> Path:
+    return Path(args.gguf) if args.gguf else folder / f"model-{args.dtype}.gguf"
+
+
+def bench_llamacpp(folder: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
+    """llama.cpp through llama-cpp-python's low-level API: one llama_decode per step over c sequences.
+
+    Returns [] after printing one skip line when the package or the GGUF is missing (README: install, convert).
+    """
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llamacpp: skipped: llama-cpp-python is not installed (see benchmarks/README.md)", flush=True)
+        return []
+    path = gguf_path(folder, args)
+    if not path.exists():
+        try:
+            from benchmarks.presets import write_gguf
+            write_gguf(folder, path, args.dtype)
+        except Exception as e:  # noqa: BLE001 - any conversion failure is a skip, with its reason
+            print(f"llamacpp: skipped: no GGUF at {path} and converting failed ({type(e).__name__}: {e}); "
+                  f"see benchmarks/README.md", flush=True)
+            return []
+    try:
+        return run_llamacpp(path, args, vocab)
+    except Exception as e:  # noqa: BLE001
+        print(f"llamacpp: skipped: {type(e).__name__}: {e}", flush=True)
+        return []
+
+
+def run_llamacpp(path: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
+    import llama_cpp as L
+
+    L.llama_backend_init()
+    mparams = L.llama_model_default_params()
+    load = getattr(L, "llama_model_load_from_file", None) or L.llama_load_model_from_file
+    model = load(str(path).encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    prompts = Prompts(vocab, seed=2)
+    threads = peer_threads(args)
+    records = []
+    for c in args.concurrency:
+        cparams = L.llama_context_default_params()
+        cparams.n_ctx = c * (args.prompt_len + args.gen_len) + 64
+        cparams.n_batch = cparams.n_ubatch = max(c * args.prompt_len, c)
+        cparams.n_seq_max = c
+        cparams.n_threads = cparams.n_threads_batch = threads
+        new_ctx = getattr(L, "llama_init_from_model", None) or L.llama_new_context_with_model
+        ctx = new_ctx(model, cparams)
+        if not ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        batch = L.llama_batch_init(cparams.n_batch, 0, c)
+        n_vocab = vocab
+
+        def clear():
+            if hasattr(L, "llama_memory_clear"):  # the API was renamed twice across llama.cpp versions
+                L.llama_memory_clear(L.llama_get_memory(ctx), True)
+            elif hasattr(L, "llama_kv_self_clear"):
+                L.llama_kv_self_clear(ctx)
+            else:
+                L.llama_kv_cache_clear(ctx)
+
+        def fill(rows: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
+            batch.n_tokens = len(rows)
+            for i, (tok, pos, seq, logits) in enumerate(rows):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+                batch.seq_id[i][0] = seq
+                batch.logits[i] = int(logits)
+
+        def argmax(i: int) -> int:
+            ptr = L.llama_get_logits_ith(ctx, i)
+            return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
+
+        def cycle() -> tuple[float, float]:
+            clear()
+            ps = prompts.make(c, args.prompt_len)
+            rows = [(t, j, s, j == args.prompt_len - 1) for s, p in enumerate(ps) for j, t in enumerate(p)]
+            fill(rows)
+            t0 = time.perf_counter()
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed on the prompt batch")
+            last = [argmax((s + 1) * args.prompt_len - 1) for s in range(c)]
+            prefill_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for step in range(args.gen_len - 1):
+                fill([(last[s], args.prompt_len + step, s, True) for s in range(c)])
+                if L.llama_decode(ctx, batch) != 0:
+                    raise RuntimeError("llama_decode failed on a decode batch")
+                last = [argmax(s) for s in range(c)]
+            return prefill_s, time.perf_counter() - t0
+
+        cycle()
+        runs = [cycle() for _ in range(args.repeats)]
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+        prefills, decodes = [p for p, _ in runs], [d for _, d in runs]
+        n_steps = args.gen_len - 1
+        rec = {"system": "llamacpp", "dtype": args.dtype, "concurrency": c,
+               "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
+               "decode_tok_s": c * n_steps / float(np.median(decodes)),
+               "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
+               "prefill_s_runs": prefills, "decode_s_runs": decodes, "threads": threads, "gguf": str(path)}
+        records.append(rec)
+        print(f"llamacpp c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s",
+              flush=True)
+    free_model = getattr(L, "llama_model_free", None) or L.llama_free_model
+    free_model(model)
+    return records
+
+
+# ---- roofline, output -----------------------------------------------------------------------------------------------
+
+def add_roofline(records: list[dict], config: ModelConfig, args: SimpleNamespace, peaks: roofline.Peaks) -> None:
+    """Each record's decode as % of the bandwidth bound (and of the tighter roofline), prefill as % of matmul peak.
+
+    Decode context is the mean active length over the timed steps: prompt_len + gen_len / 2.
+    """
+    by_c = {r["concurrency"]: r for r in records if r["system"] == "pocketjax" and "decode_tok_s" in r}
+    context = args.prompt_len + args.gen_len / 2
+    for rec in records:
+        if "decode_tok_s" not in rec:
+            continue
+        c = rec["concurrency"]
+        bound = roofline.decode_bound_tok_s(config, args.dtype, c, context, peaks)
+        flops_per_prefill = roofline.prefill_flops(config, c, args.prompt_len)
+        prefill_s = c * args.prompt_len / rec["prefill_tok_s"]
+        same_system_c1 = next((r for r in records if r["system"] == rec["system"] and r["concurrency"] == 1
+                               and "decode_tok_s" in r), None)
+        rec.update({
+            "decode_ratio_vs_c1": rec["decode_tok_s"] / same_system_c1["decode_tok_s"] if same_system_c1 else None,
+            "prefill_ratio_vs_c1": rec["prefill_tok_s"] / same_system_c1["prefill_tok_s"] if same_system_c1 else None,
+            "decode_bytes_per_step": bound["step_bytes"],
+            "achieved_decode_gb_s": bound["step_bytes"] * rec["decode_tok_s"] / c / 1e9,
+            "bandwidth_bound_tok_s": bound["bandwidth_bound_tok_s"],
+            "roofline_tok_s": bound["roofline_tok_s"],
+            "pct_bandwidth_roofline": 100 * rec["decode_tok_s"] / bound["bandwidth_bound_tok_s"],
+            "pct_roofline": 100 * rec["decode_tok_s"] / bound["roofline_tok_s"],
+            "prefill_flops": flops_per_prefill,
+            "achieved_prefill_gflop_s": flops_per_prefill / prefill_s / 1e9,
+            "pct_matmul_peak": 100 * flops_per_prefill / prefill_s / peaks.matmul_flop_s,
+        })
+        if rec["system"] != "pocketjax" and c in by_c:
+            rec["pocketjax_decode_speedup"] = by_c[c]["decode_tok_s"] / rec["decode_tok_s"]
+
+
+def fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def markdown_table(records: list[dict]) -> str:
+    head = ("| system | dtype | conc | prefill tok/s | decode tok/s | decode x c1 | ms/step | fwd / lm_head / "
+            "sampler / host ms | % BW roofline | % matmul peak (prefill) |")
+    lines = [head, "|" + "---|" * 4 + "---:|" * 6]
+    for r in records:
+        if "decode_tok_s" not in r:
+            continue
+        split = ("-" if "forward_ms" not in r else
+                 f"{r['forward_ms']:.1f} / {r['lm_head_ms']:.1f} / {r['sampler_ms']:.1f} / {r['host_ms']:.1f}")
+        lines.append(f"| {r['system']} | {r['dtype']} | {r['concurrency']} | {fmt(r['prefill_tok_s'], '.1f')} | "
+                     f"{fmt(r['decode_tok_s'], '.2f')} | {fmt(r.get('decode_ratio_vs_c1'), '.2f')} | "
+                     f"{fmt(r.get('decode_step_ms'), '.1f')} | {split} | "
+                     f"{fmt(r.get('pct_bandwidth_roofline'), '.1f')} | {fmt(r.get('pct_matmul_peak'), '.1f')} |")
+    return "\n".join(lines)
+
+
+def summary_lines(result: dict) -> list[str]:
+    m, p = result["machine"], result["machine"]["peaks"]
+    out = [f"machine: {m['cpu']}, {m['usable_cores']} usable cores, jax {m['jax']} ({m['jax_backend']}), "
+           f"torch {m['torch']}, loadavg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}",
+           f"peaks: copy bandwidth {p['bandwidth_bytes_s'] / 1e9:.2f} GB/s (numpy {p['numpy_copy_bytes_s'] / 1e9:.2f}, "
+           f"jax {p['jax_copy_bytes_s'] / 1e9:.2f}), matmul {p['matmul_flop_s'] / 1e9:.1f} GFLOP/s "
+           f"({p['matmul_dtype']}, n={p['matmul_n']})"]
+    c1 = next((r for r in result["records"] if r["system"] == "pocketjax" and r["concurrency"] == 1), None)
+    if c1 and "decode_bytes_per_step" in c1:
+        out.append(f"batch-1 decode reads {c1['decode_bytes_per_step'] / 1e6:.1f} MB/step -> bound "
+                   f"{c1['bandwidth_bound_tok_s']:.1f} tok/s; pocketjax reaches {c1['pct_bandwidth_roofline']:.1f}% "
+                   f"({c1['achieved_decode_gb_s']:.2f} GB/s)")
+    if c1 and "batched_vs_minimal_ratio" in c1:
+        out.append(f"issue 3 (a): engine c=1 {c1['engine_c1_ms_per_token']:.2f} ms/token vs minimal loop "
+                   f"{c1['minimal_loop_ms_per_token']:.2f} (async {c1['minimal_loop_async_ms_per_token']:.2f}) -> "
+                   f"ratio {c1['batched_vs_minimal_ratio']:.3f} (target <= 1.05); same tokens: "
+                   f"{c1['minimal_loop_tokens_match']}")
+        out.append(f"issue 3 (b): step at max_seq_len {c1['max_seq_len']} -> {2 * c1['max_seq_len']}: "
+                   f"{c1['engine_c1_ms_per_token']:.2f} -> {c1['doubled_max_seq_len_step_ms']:.2f} ms, ratio "
+                   f"{c1['doubled_max_seq_len_ratio']:.3f} (target < 1.10)")
+    return out
+
+
+def plot(records: list[dict], path: str, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for system in dict.fromkeys(r["system"] for r in records):
+        rows = sorted((r for r in records if r["system"] == system and "decode_tok_s" in r),
+                      key=lambda r: r["concurrency"])
+        xs = [r["concurrency"] for r in rows]
+        axes[0].plot(xs, [r["decode_tok_s"] for r in rows], marker="o", label=system)
+        axes[1].plot(xs, [r["prefill_tok_s"] for r in rows], marker="o", label=system)
+    for ax, what in zip(axes, ("decode", "prefill")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(f"{what} tokens/s")
+        ax.set_title(f"{what}: {title}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> dict:
+    """Run the whole benchmark; returns {"machine": {...}, "records": [...]} (also written to --json if given)."""
+    args = resolve_args(args, **kwargs)
+    folder = model_folder(args)
+    print(f"bench: {args.model} ({folder}) {args.dtype}, concurrency {args.concurrency}, prompt {args.prompt_len}, "
+          f"gen {args.gen_len}, {args.repeats} repeats, max_seq_len {args.max_seq_len}", flush=True)
+    phases = {}
+    t0 = time.perf_counter()
+    peaks = roofline.measure_peaks(args.dtype, copy_bytes=(64 << 20) if args.quick else (256 << 20),
+                                   matmul_n=1024 if args.quick else 2048)
+    machine = machine_info(args, peaks)
+    phases["peaks"], t0 = time.perf_counter() - t0, time.perf_counter()
+    records, config = bench_pocketjax(folder, args)
+    phases["pocketjax"], t0 = time.perf_counter() - t0, time.perf_counter()
+    vocab = config.vocab_size
+    if "transformers" in args.peers:
+        records += bench_transformers(folder, args, vocab)
+        phases["transformers"], t0 = time.perf_counter() - t0, time.perf_counter()
+    if "llamacpp" in args.peers:
+        records += bench_llamacpp(folder, args, vocab)
+        phases["llamacpp"] = time.perf_counter() - t0
+    add_roofline(records, config, args, peaks)
+    machine["loadavg_end"] = list(os.getloadavg())
+    machine["phase_s"] = phases
+    result = {"machine": machine, "records": records}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.plot:
+        plot(records, args.plot, f"{args.model} {args.dtype}, prompt {args.prompt_len}, gen {args.gen_len}")
+    print("\n".join(summary_lines(result)))
+    print()
+    print(markdown_table(records), flush=True)
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--"]:  # `pocketjax bench -- --quick`: the CLI passes its separator through
+        argv = argv[1:]
+    return run_benchmark(vars(build_parser(suppress_defaults=True).parse_args(argv)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Weight-only quantization: weight bytes, KV bytes, perplexity and decode speed of int8 / int4 next to bfloat16 and
+float32. Prints a markdown table last; `--json` writes every record.
+
+    python benchmarks/bench_quant.py                       # embedded model if present, else the qwen3-tiny preset
+    python benchmarks/bench_quant.py --model PATH --json out/quant.json --gen-len 32 --concurrency 1,4
+
+Perplexity: on the embedded model's own held-out split (every 50th stdlib file, through its tokenizer) when the
+folder has a tokenizer; for a random-weight preset, on sequences sampled from the float32 model itself (temperature
+1), so the float perplexity is the model's own entropy and any increase is what quantization costs. Quantized
+variants compute in float32 there, so the figure isolates the quantization error. Decode tok/s: greedy, warm (one
+untimed round compiles every shape), variants interleaved round by round over --repeats rounds; the best and the
+median round are reported. On a shared CPU box these numbers are noisy: compare within one run only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import pocketjax as pj  # noqa: E402
+from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from pocketjax import quant  # noqa: E402
+from pocketjax.engine import BatchedRequest, Engine  # noqa: E402
+from pocketjax.model import forward_logits  # noqa: E402
+from pocketjax.sampling import SamplingParams  # noqa: E402
+
+EMBEDDED = Path(__file__).resolve().parent.parent / "pocketjax" / "assets" / "pocket-coder"
+SPEED_VARIANTS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "int4"),
+                  ("bfloat16", "int8"), ("bfloat16", "int4")]
+PPL_MODES = [None, "int8", "int4", "int8+head", "int4+head"]
+SEED_64L = dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8)
+
+
+def resolve_model(name: str | None) -> Path:
+    if name is None:
+        return EMBEDDED if (EMBEDDED / "config.json").exists() else resolve_model("qwen3-tiny")
+    if name in PRESETS:
+        return build_preset(name, Path("/tmp/pocketjax-bench") / name)
+    return Path(name)
+
+
+def weight_bytes(model: pj.Model) -> tuple[int, int]:
+    """(bytes of the linear layers, bytes of every parameter)."""
+    linear = sum(quant_nbytes(p[k]) for p in model.params["layers"] for k in quant.LINEAR_NAMES)
+    return linear, sum(int(leaf.nbytes) for leaf in jax.tree.leaves(model.params))
+
+
+def quant_nbytes(w) -> int:
+    return w.nbytes if isinstance(w, quant.QuantizedWeight) else int(w.nbytes)
+
+
+def eval_tokens(folder: Path, config, seqs: int, length: int) -> tuple[np.ndarray, str]:
+    """[seqs, length] tokens to score, and where they come from."""
+    if (folder / "tokenizer.json").exists():  # the embedded model's own held-out split (every 50th stdlib file)
+        from pocketjax.bpe import PAD_TOKEN, split_holdout, stdlib_corpus
+        from pocketjax.tokenizer import Tokenizer
+        from pocketjax.train import encode_windows
+        tokenizer = Tokenizer.from_folder(folder)
+        held = split_holdout(stdlib_corpus(), every=50)[1]
+        windows = encode_windows(tokenizer, held, tokenizer.token_id(PAD_TOKEN), length - 1)
+        if len(windows) >= seqs:
+            pick = np.linspace(0, len(windows) - 1, seqs).astype(int)
+            return windows[pick], f"{seqs} held-out stdlib windows of {length}"
+    model = pj.load_model(folder, dtype="float32")
+    engine = Engine(model, max_batch_size=seqs, max_seq_len=length + 16, prefill_chunk=64)
+    rng = np.random.default_rng(0)
+    reqs = [BatchedRequest(i, [int(t) for t in rng.integers(0, config.vocab_size, 4)],
+                           SamplingParams(max_tokens=length - 4, temperature=1.0, seed=i, ignore_eos=True))
+            for i in range(seqs)]
+    for r in reqs:
+        engine.allocate_slot(r)
+    engine.batch_prefill(reqs)
+    while not all(r.finished for r in reqs):
+        engine.batch_decode_step(reqs)
+    return np.asarray([list(r.prompt_tokens) + r.generated_tokens for r in reqs], np.int32), \
+        "sampled from the float32 model (random weights)"
+
+
+def perplexity(model: pj.Model, tokens: np.ndarray) -> float:
+    logits = np.asarray(pj.logits(model, tokens[:, :-1]), np.float64)
+    logits -= logits.max(axis=-1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
+    nll = -np.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
+    return float(np.exp(nll))
+
+
+def decode_cycle(engine: Engine, concurrency: int, prompt_len: int, gen_len: int, rng) -> float:
+    """One greedy prefill + decode of `concurrency` requests; returns the decode tokens/s."""
+    reqs = [BatchedRequest(i, [int(t) for t in rng.integers(0, engine.model.config.vocab_size, prompt_len)],
+                           SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True))
+            for i in range(concurrency)]
+    for r in reqs:
+        engine.allocate_slot(r)
+    engine.batch_prefill(reqs)
+    start = time.perf_counter()
+    while not all(r.finished for r in reqs):
+        engine.batch_decode_step(reqs)
+    elapsed = time.perf_counter() - start
+    for r in reqs:
+        engine.free_slot(r.request_id)
+    return concurrency * (gen_len - 1) / elapsed
+
+
+def decode_speeds(models: dict[str, pj.Model], concurrency: int, prompt_len: int, gen_len: int, repeats: int
+                  ) -> dict[str, tuple[float, float]]:
+    """{variant: (best, median) warm decode tokens/s}. Variants are interleaved round by round, so a burst of load
+    from other processes hits all of them alike; the best round is the least disturbed one."""
+    engines = {name: Engine(m, max_batch_size=concurrency, max_seq_len=max(128, prompt_len + gen_len),
+                            prefill_chunk=64) for name, m in models.items()}
+    rng = np.random.default_rng(1)
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    for round_ in range(repeats + 1):  # round 0 compiles every shape
+        for name, engine in engines.items():
+            rate = decode_cycle(engine, concurrency, prompt_len, gen_len, rng)
+            if round_:
+                rates[name].append(rate)
+    return {name: (max(r), statistics.median(r)) for name, r in rates.items()}
+
+
+def forward_temp_bytes(model: pj.Model, length: int = 64) -> int:
+    """XLA's temporary buffer bytes for one full forward: shows whether dequantized weights pile up."""
+    tokens = jnp.zeros((1, length), jnp.int32)
+    return forward_logits.lower(model.params, model.config, tokens).compile().memory_analysis().temp_size_in_bytes
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help=f"HF folder or a preset ({', '.join(PRESETS)}); default: embedded")
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--gen-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--ppl-seqs", type=int, default=8)
+    p.add_argument("--ppl-len", type=int, default=256)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    folder = resolve_model(args.model)
+    config = pj.ModelConfig.from_folder(folder)
+    records: list[dict] = []
+
+    # bytes: every variant against the bfloat16 model
+    bf16_linear, bf16_total = weight_bytes(pj.load_model(folder, dtype="bfloat16"))
+    for mode in ("int8", "int4", "int8+head", "int4+head"):
+        linear, total = weight_bytes(pj.load_model(folder, dtype="bfloat16", quantize=mode))
+        records.append({"kind": "weights", "variant": mode, "linear_bytes": linear, "total_bytes": total,
+                        "linear_vs_bf16": linear / bf16_linear, "total_vs_bf16": total / bf16_total})
+    for name, cfg in (("model", config), ("64-layer seed", SEED_64L)):
+        plans = {kv: pj.plan_memory(cfg, tp=1 if name == "model" else 2, dtype="bfloat16", kv_dtype=kv)
+                 for kv in ("bfloat16", "int8")}
+        records.append({"kind": "kv", "variant": f"int8 KV ({name})", "kv_bytes": plans["int8"].kv_cache,
+                        "vs_bf16": plans["int8"].kv_cache / plans["bfloat16"].kv_cache})
+
+    # transient memory of one forward: the dequantized operand is per matmul, not per model
+    for mode in (None, "int8", "int4"):
+        model = pj.load_model(folder, dtype="float32", quantize=mode)
+        records.append({"kind": "temp", "variant": mode or "float32", "forward_temp_bytes": forward_temp_bytes(model)})
+    largest = max(int(np.prod(w.shape)) for p in model.params["layers"] for w in p.values()
+                  if isinstance(w, quant.QuantizedWeight)) * 4
+
+    # perplexity
+    tokens, source = eval_tokens(folder, config, args.ppl_seqs, args.ppl_len)
+    base = None
+    for mode in PPL_MODES:
+        ppl = perplexity(pj.load_model(folder, dtype="float32", quantize=mode), tokens)
+        base = base or ppl
+        records.append({"kind": "ppl", "variant": mode or "float32", "ppl": ppl, "increase": ppl / base - 1,
+                        "source": source})
+
+    # decode speed
+    models = {f"{mode or dtype} ({dtype} compute)": pj.load_model(folder, dtype=dtype, quantize=mode)
+              for dtype, mode in SPEED_VARIANTS}
+    for c in (int(x) for x in args.concurrency.split(",")):
+        for name, (best, median) in decode_speeds(models, c, args.prompt_len, args.gen_len, args.repeats).items():
+            records.append({"kind": "decode", "variant": name, "concurrency": c, "decode_tok_s": best,
+                            "decode_tok_s_median": median})
+
+    machine = {"platform": platform.platform(), "devices": jax.local_device_count(), "backend": jax.default_backend(),
+               "jax": jax.__version__, "model": str(folder), "layers": config.num_layers,
+               "hidden": config.hidden_size, "vocab": config.vocab_size, "largest_dequantized_bytes": int(largest)}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": machine, "records": records}, indent=2))
+    print_table(machine, records)
+
+
+def print_table(machine: dict, records: list[dict]) -> None:
+    print(f"\nmodel {machine['model']} ({machine['layers']} layers, hidden {machine['hidden']}, vocab "
+          f"{machine['vocab']}), {machine['backend']} x{machine['devices']}, jax {machine['jax']}")
+    print("\n| weights | linear bytes | vs bf16 | all bytes | vs bf16 |\n|---|---|---|---|---|")
+    for r in (r for r in records if r["kind"] == "weights"):
+        print(f"| {r['variant']} | {r['linear_bytes']:,} | {r['linear_vs_bf16']:.3f}x | {r['total_bytes']:,} | "
+              f"{r['total_vs_bf16']:.3f}x |")
+    print("\n| KV cache | bytes | vs bf16 |\n|---|---|---|")
+    for r in (r for r in records if r["kind"] == "kv"):
+        print(f"| {r['variant']} | {r['kv_bytes']:,} | {r['vs_bf16']:.3f}x |")
+    print(f"\n| forward temp (T=64) | bytes |\n|---|---|   largest dequantized weight: "
+          f"{machine['largest_dequantized_bytes']:,} bytes")
+    for r in (r for r in records if r["kind"] == "temp"):
+        print(f"| {r['variant']} | {r['forward_temp_bytes']:,} |")
+    ppl = [r for r in records if r["kind"] == "ppl"]
+    print(f"\n| perplexity ({ppl[0]['source']}) | ppl | increase |\n|---|---|---|")
+    for r in ppl:
+        print(f"| {r['variant']} | {r['ppl']:.4f} | {100 * r['increase']:+.2f}% |")
+    print("\n| decode (noisy shared CPU) | concurrency | best tok/s | median tok/s |\n|---|---|---|---|")
+    for r in (r for r in records if r["kind"] == "decode"):
+        print(f"| {r['variant']} | {r['concurrency']} | {r['decode_tok_s']:.1f} | {r['decode_tok_s_median']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

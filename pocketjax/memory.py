@@ -1,0 +1,155 @@
+"""plan_memory: bytes per device of weights, KV cache and activations for a model, before loading anything.
+
+Weights follow the placement load_model makes: each tensor (or quantized leaf) split as `sharding.param_spec` says
+(column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding/lm_head when tp divides the vocab),
+replicated where that spec does not divide it. Quantized weights count their values, float32 scales and int8 zeros
+(see pocketjax.quant). The KV cache follows `sharding.cache_spec`: split on kv heads when tp divides them, else
+replicated; int8 KV adds one float32 scale per (layer, k|v, slot, kv head, position).
+
+Activations are the peak of one prefill call (the engine's largest step), N = slots x prefill_chunk tokens:
+    layer   N * a * (3H + (2 Hq + 2 Hkv) D + 3 I)      residual/normed/attn-out, q/k/v/attn, gate/up/product
+            with Hq, Hkv, I the per-device head counts and MLP width, a the dtype's bytes; XLA frees a layer's
+            intermediates before the next, so one layer counts
+    scores  attention="xla" only: N * Hq * max_seq_len * 4 * 2 (float32 logits and probabilities) plus the gathered
+            K/V rows, 2 * slots * Hkv * max_seq_len * D * kv bytes; the Pallas kernels keep scores in VMEM/SRAM
+    logits  slots * vocab * 4 (float32 last-token logits) + slots * vocab * 5 (the sampler's penalty state)
+    dequant quantized only: the largest linear's in * out * 4 / split: XLA:CPU materializes one float32 dequantized
+            operand per matmul (measured; see pocketjax.quant), XLA:GPU fuses it (then this is an upper bound)
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from . import quant
+from .checkpoint import LAYER_TENSORS, expected_shapes
+from .config import DTYPES, ModelConfig
+from .errors import ConfigError
+
+GiB = 1024**3
+KV_DTYPES = DTYPES + ("int8",)
+ATTENTION = ("pallas", "xla")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device: weights, kv_cache, activations and their total; `details` breaks each down."""
+
+    weights: int
+    kv_cache: int
+    activations: int
+    total: int
+    details: dict[str, int] = field(default_factory=dict, compare=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"weights": self.weights, "kv_cache": self.kv_cache, "activations": self.activations,
+                "total": self.total, "details": dict(self.details)}
+
+    def __str__(self) -> str:
+        rows = [("weights", self.weights), ("kv_cache", self.kv_cache), ("activations", self.activations),
+                ("total", self.total)]
+        lines = [f"{name:<30}{gib(n):>14}" for name, n in rows]
+        lines += [f"  {name:<28}{gib(n):>14}" for name, n in self.details.items()]
+        return "memory per device\n" + "\n".join(lines)
+
+
+def gib(n: int) -> str:
+    return f"{n / GiB:.3f} GiB"
+
+
+def itemsize(dtype: str) -> int:
+    return 1 if dtype == "int8" else np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).itemsize
+
+
+def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "float16", quantize: str | None = None,
+                kv_dtype: str | None = None, slots: int = 8, max_seq_len: int = 8192, prefill_chunk: int = 512,
+                attention: str = "pallas") -> MemoryPlan:
+    """The MemoryPlan (bytes per device) of serving a model at tensor parallelism `tp` with `slots` x `max_seq_len`.
+
+    dtype: weights and activations; quantize: None | "int8" | "int4" | "int8+head" | "int4+head" (as load_model);
+    kv_dtype: the cache (default: dtype; "int8" adds float32 per-token, per-head scales).
+    """
+    config = config_or_dict if isinstance(config_or_dict, ModelConfig) else ModelConfig.from_dict(config_or_dict)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
+    kv_dtype = kv_dtype or dtype
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype={kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention={attention!r} is not supported (supported: {', '.join(ATTENTION)})")
+    for name, value in (("tp", tp), ("slots", slots), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
+        if not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    from .sharding import check_tp
+    check_tp(config, tp)
+    mode = quant.parse_mode(quantize)
+    a = itemsize(dtype)
+
+    weights: dict[str, int] = {"linear": 0, "embedding+lm_head": 0, "norms+biases": 0}
+    largest_linear = 0
+    for path, shape in param_shapes(config):
+        name = path[-1]
+        if mode is not None and (name in quant.LINEAR_NAMES or (mode[1] and name in quant.HEAD_NAMES)):
+            if name == "embed":  # stored transposed, placed as lm_head (see quant.quantizing_placer)
+                path, shape = ("lm_head",), shape[::-1]
+            leaves = quant.leaf_shapes(*shape, mode[0]).values()
+        else:
+            leaves = [(shape, a)]
+        nbytes = sum(device_bytes(path, s, size, config, tp) for s, size in leaves)
+        group = ("linear" if name in quant.LINEAR_NAMES else
+                 "embedding+lm_head" if name in quant.HEAD_NAMES else "norms+biases")
+        weights[group] += nbytes
+        if name in quant.LINEAR_NAMES:
+            largest_linear = max(largest_linear, device_bytes(path, shape, 4, config, tp))
+
+    d, h, vocab = config.head_dim, config.hidden_size, config.vocab_size
+    kv_local = config.num_kv_heads // tp if config.num_kv_heads % tp == 0 else config.num_kv_heads
+    q_local = config.num_heads // tp
+    mlp_local = config.intermediate_size // tp if config.intermediate_size % tp == 0 else config.intermediate_size
+    kv_bytes = itemsize(kv_dtype)
+    positions = 2 * config.num_layers * slots * kv_local * max_seq_len
+    kv = {"values": positions * d * kv_bytes, "scales": positions * 4 if kv_dtype == "int8" else 0,
+          "lengths": slots * 4}
+
+    tokens = slots * prefill_chunk
+    act = {"layer": tokens * a * (3 * h + (2 * q_local + 2 * kv_local) * d + 3 * mlp_local),
+           "scores": (tokens * q_local * max_seq_len * 4 * 2 + 2 * slots * kv_local * max_seq_len * d * kv_bytes
+                      if attention == "xla" else 0),
+           "logits+sampler": slots * vocab * (4 + 5),
+           "dequant": largest_linear if mode is not None else 0}
+
+    details = {f"weights.{k}": v for k, v in weights.items()} | {f"kv_cache.{k}": v for k, v in kv.items()}
+    details |= {f"activations.{k}": v for k, v in act.items()}
+    w, c, x = sum(weights.values()), sum(kv.values()), sum(act.values())
+    return MemoryPlan(weights=w, kv_cache=c, activations=x, total=w + c + x, details=details)
+
+
+def param_shapes(config: ModelConfig) -> Iterator[tuple[tuple, tuple[int, ...]]]:
+    """(param path, shape in our layout) for every tensor load_model places; linear weights are [in, out]."""
+    shapes = expected_shapes(config)
+    yield ("embed",), shapes["model.embed_tokens.weight"]
+    for n in range(config.num_layers):
+        for ours, (suffix, transpose) in LAYER_TENSORS.items():
+            name = f"model.layers.{n}.{suffix}"
+            if name in shapes:
+                yield ("layers", n, ours), shapes[name][::-1] if transpose else shapes[name]
+    yield ("final_norm",), shapes["model.norm.weight"]
+    if not config.tie_word_embeddings:
+        yield ("lm_head",), shapes["lm_head.weight"][::-1]
+
+
+def device_bytes(path: tuple, shape: tuple[int, ...], element_bytes: int, config: ModelConfig, tp: int) -> int:
+    """Bytes one device holds of a tensor: split as sharding.param_spec says when the spec divides it, else whole."""
+    total = int(np.prod(shape, dtype=np.int64)) * element_bytes
+    if tp == 1:
+        return total
+    from .sharding import param_spec
+    spec = param_spec(path, config, tp)
+    split = [dim for dim, axes in zip(shape, spec) if axes is not None]
+    if len(spec) > len(shape) or any(dim % tp for dim in split):
+        return total
+    return total // tp ** len(split)

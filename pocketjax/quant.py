@@ -1,0 +1,372 @@
+"""Weight-only int8 / int4 quantization: the QuantizedWeight pytree, quantizing at load, the dequantizing matmul, and
+readers for AWQ / GPTQ int4 checkpoints.
+
+Schemes (every weight is [in, out], as all linears here):
+- "int8": symmetric per output channel. values int8 in [-127, 127], scale = absmax / 127, float32 [1, out].
+- "int4": asymmetric, group-wise along the input dim (group 128, see `group_size_for`). values 0..15 packed two per
+  byte (input row 2r in the low nibble, 2r+1 in the high one), zero int8 [groups, out], scale float32 [groups, out],
+  w = (values - zero) * scale over the range [min(w, 0), max(w, 0)] of each group. Asymmetric because: the 16 levels
+  cover the group's actual range (a symmetric grid spends levels on the side the group does not reach); and AWQ and
+  GPTQ checkpoints (asymmetric, or symmetric = zero 8) are exactly this form, so one representation and one
+  dequantization path serve our own int4 and every pre-quantized checkpoint. The zero costs 1 byte per 128 weights.
+- Scales are float32: exact for fp16 checkpoint scales, and the error bound |w - deq| <= scale / 2 holds for the
+  scale actually stored (a rounded 16-bit scale can push the top of a group past level 15).
+- Embedding and lm_head stay in the model dtype. "int8+head" / "int4+head" quantize them too (same bits); the embedding
+  is then stored transposed, [hidden, vocab], so a tied table is one QuantizedWeight that serves both the token gather
+  (`embed`) and the output projection, and every QuantizedWeight keeps its out axis (here vocab) last.
+
+Matmul: `x @ dequantize(w, x.dtype)`, the dequantization in float32 inside the jitted step. Measured on XLA:CPU (jax
+0.10.2, [1..16, 1024] @ [1024, 3072]): no formulation fuses the dequantization into the dot. Every variant, and even a
+plain bfloat16 dot (which XLA:CPU computes in float32), materializes one transient [in, out] float32 operand per matmul;
+dequantize-then-matmul was the fastest of x @ (q * s), (x @ q) * s and grouped einsums with per-group scales (batched
+per-group dots ran 2-6x slower at decode sizes, and XLA:CPU rejects bf16 x bf16 -> f32 batched dots). The transient
+lives for one matmul only, once `after` ties each dequantization to its input (without it XLA hoisted all of them to
+the start of the step: the embedded model's forward held 12.0 MB of temporaries instead of 1.3 MB; float: 0.5 MB).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError
+
+MODES = {"int8": (8, False), "int4": (4, False), "int8+head": (8, True), "int4+head": (4, True)}
+GROUP_SIZE = 128
+MIN_GROUP_SIZE = 32
+LINEAR_NAMES = frozenset({"q", "k", "v", "o", "gate", "up", "down"})
+HEAD_NAMES = frozenset({"embed", "lm_head"})
+LEAVES = ("values", "scale", "zero", "perm")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its 8
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """A quantized [in, out] weight; every leaf keeps the out axis last, so column/row shardings carry over.
+
+    values: int8 [in, out] (8 bits) | uint8 [in/2, out] (4 bits, two input rows per byte)
+    scale:  float32 [groups, out];  zero: int8 [groups, out] | None (symmetric);  w = (values - zero) * scale
+    perm:   int32 [in] | None: the rows are stored in this input order (GPTQ desc_act), so x is gathered first.
+    """
+
+    values: Any
+    scale: Any
+    zero: Any = None
+    perm: Any = None
+    bits: int = field(default=8, metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, out = self.values.shape
+        return (rows * 8 // self.bits, out)
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[0] // self.scale.shape[0]
+
+    @property
+    def dtype(self):
+        return self.scale.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self))
+
+
+def parse_mode(quantize: str | None) -> tuple[int, bool] | None:
+    """(bits, quantize embedding/lm_head too) for a `quantize=` value; None for None; ConfigError otherwise."""
+    if quantize is None:
+        return None
+    if quantize not in MODES:
+        raise ConfigError(f"quantize={quantize!r} is not supported (supported: None, {', '.join(MODES)})")
+    return MODES[quantize]
+
+
+def group_size_for(in_features: int, group: int = GROUP_SIZE) -> int:
+    """The int4 group along the input dim: `group` when it divides in_features; else the largest divisor of
+    in_features below it, if that is at least MIN_GROUP_SIZE; else one group spanning the whole dim (always the case
+    when in_features < MIN_GROUP_SIZE). Smaller groups would spend more on scales than they save in error."""
+    if in_features % group == 0:
+        return group
+    divisor = max(d for d in range(1, min(group, in_features) + 1) if in_features % d == 0)
+    return divisor if divisor >= MIN_GROUP_SIZE else in_features
+
+
+# ---- packing -----------------------------------------------------------------------------------------------------
+def pack_int4(q):
+    """uint8 [in/2, out] from integer values 0..15 [in, out]: row 2r in the low nibble, row 2r+1 in the high one."""
+    q = np.asarray(q, np.uint8)
+    if q.shape[0] % 2:
+        raise ConfigError(f"int4 packing needs an even input dim, got {q.shape[0]}")
+    return q[0::2] | (q[1::2] << 4)
+
+
+def unpack_int4(packed):
+    """uint8 [in, out] values 0..15 from pack_int4's bytes; numpy or jax (traced) alike."""
+    xp = np if isinstance(packed, np.ndarray) else jnp
+    return xp.stack([packed & 15, packed >> 4], axis=1).reshape(-1, packed.shape[-1])
+
+
+def pack_nibbles(q, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """int32 words holding 8 4-bit values each along `axis` (0: GPTQ qweight; 1: qzeros and AWQ), nibble i at bit 4i.
+
+    Without `order`, nibble i holds element 8w + i; with AWQ's order it holds element 8w + order[i].
+    """
+    q = np.moveaxis(np.asarray(q, np.uint32), axis, -1)
+    if q.shape[-1] % 8:
+        raise ConfigError(f"packing 8 nibbles per int32 needs a multiple of 8 along axis {axis}, got {q.shape[-1]}")
+    q = q.reshape(q.shape[:-1] + (q.shape[-1] // 8, 8))
+    if order is not None:
+        q = q[..., list(order)]
+    words = np.bitwise_or.reduce(q << (4 * np.arange(8, dtype=np.uint32)), axis=-1)
+    return np.moveaxis(words.view(np.int32), -1, axis)
+
+
+def unpack_nibbles(words: np.ndarray, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
+    """uint8 values 0..15, the inverse of `pack_nibbles` (8 per int32 along `axis`)."""
+    w = np.moveaxis(np.asarray(words).view(np.uint32), axis, -1)
+    q = ((w[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 15).astype(np.uint8)
+    if order is not None:
+        q = q[..., list(np.argsort(order))]
+    return np.moveaxis(q.reshape(w.shape[:-1] + (w.shape[-1] * 8,)), -1, axis)
+
+
+# ---- quantize / dequantize ---------------------------------------------------------------------------------------
+def quantize(w, bits: int, group_size: int | None = None) -> QuantizedWeight:
+    """Quantize a host [in, out] weight (computed in float32): int8 per channel, or int4 group-wise asymmetric."""
+    w = np.asarray(w, np.float32)
+    if bits == 8:
+        scale = np.abs(w).max(axis=0, keepdims=True) / np.float32(127)
+        scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
+        values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        return QuantizedWeight(values=values, scale=scale, bits=8)
+    if bits != 4:
+        raise ConfigError(f"bits={bits} is not supported (supported: 8, 4)")
+    size = group_size or group_size_for(w.shape[0])
+    if w.shape[0] % size:
+        raise ConfigError(f"group_size={size} does not divide the input dim {w.shape[0]}")
+    groups = w.reshape(w.shape[0] // size, size, w.shape[1])
+    lo = np.minimum(groups.min(axis=1), 0)  # the range always holds 0, so zero lies in [0, 15] and nothing clips
+    hi = np.maximum(groups.max(axis=1), 0)
+    scale = np.where(hi > lo, (hi - lo) / np.float32(15), np.float32(1)).astype(np.float32)
+    zero = np.clip(np.rint(-lo / scale), 0, 15)
+    q = np.clip(np.rint(groups / scale[:, None]) + zero[:, None], 0, 15).reshape(w.shape)
+    return QuantizedWeight(values=pack_int4(q), scale=scale, zero=zero.astype(np.int8), bits=4)
+
+
+def leaf_shapes(in_features: int, out_features: int, bits: int) -> dict[str, tuple[tuple[int, ...], int]]:
+    """{leaf: (shape, bytes per element)} of `quantize`'s result for an [in, out] weight, without building it."""
+    if bits == 8:
+        return {"values": ((in_features, out_features), 1), "scale": ((1, out_features), 4)}
+    groups = in_features // group_size_for(in_features)
+    return {"values": ((in_features // 2, out_features), 1), "scale": ((groups, out_features), 4),
+            "zero": ((groups, out_features), 1)}
+
+
+def integer_values(w: QuantizedWeight):
+    """The integer values [in, out] (int8 for 8 bits, uint8 0..15 for 4 bits), rows in stored (perm) order."""
+    return unpack_int4(w.values) if w.bits == 4 else w.values
+
+
+def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
+    """The [in, out] weight (values - zero) * scale, computed in float32 and cast to dtype (rows in stored order)."""
+    q = jnp.asarray(integer_values(w)).astype(jnp.float32)
+    rows, out = q.shape
+    q = q.reshape(w.scale.shape[0], rows // w.scale.shape[0], out)
+    if w.zero is not None:
+        q = q - jnp.asarray(w.zero).astype(jnp.float32)[:, None]
+    return (q * jnp.asarray(w.scale, jnp.float32)[:, None]).reshape(rows, out).astype(dtype)
+
+
+def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x @ W for a quantized W, in x's dtype (see the module docstring for why dequantize-then-matmul)."""
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
+    return x @ dequantize(after(w, x), x.dtype)
+
+
+def after(w: QuantizedWeight, x: jax.Array) -> QuantizedWeight:
+    """w, its values made data-dependent on x, so that its dequantization cannot run before x exists.
+
+    Every layer's dequantization depends on params only, and XLA:CPU schedules them all ahead of the first matmul:
+    the whole model in float32 at once. An optimization_barrier does not help (XLA:CPU expands it away before
+    scheduling). Each stored row is tied to the matching element of x's first row: a select that fuses into the
+    dequantization, that XLA cannot fold (isnan), and that stays local under tensor parallelism (x and the rows are
+    split alike; tying to any single element of x made XLA all-gather x before o and down: measured at TP2).
+    """
+    nan = jnp.isnan(x.reshape(-1, x.shape[-1])[0])  # False unless x holds a NaN, which poisons the output anyway
+    if w.bits == 4:
+        nan = nan.reshape(-1, 2).any(axis=-1)
+    return replace(w, values=jnp.where(nan[:, None], jnp.zeros_like(w.values), w.values))
+
+
+def embed(table, tokens: jax.Array, dtype) -> jax.Array:
+    """Embedding rows [..., hidden] for tokens; a quantized table is [hidden, vocab] and only the used columns are
+    dequantized."""
+    if not isinstance(table, QuantizedWeight):
+        return table[tokens]
+    ids = tokens.reshape(-1)
+    cols = QuantizedWeight(values=jnp.take(table.values, ids, axis=1), scale=jnp.take(table.scale, ids, axis=1),
+                           zero=None if table.zero is None else jnp.take(table.zero, ids, axis=1), bits=table.bits)
+    return dequantize(cols, dtype).T.reshape(tokens.shape + (table.shape[0],))
+
+
+# ---- quantizing at load ------------------------------------------------------------------------------------------
+Placer = Callable[[tuple, np.ndarray], Any]
+
+
+def quantizing_placer(place: Placer, quantize: str | None, dtype, fits: Callable[[tuple, tuple], bool] | None = None
+                      ) -> Placer:
+    """Wrap a checkpoint Placer: linear weights (and with "+head" the embedding / lm_head) are quantized on the host,
+    other arrays are cast to `dtype`, and QuantizedWeights (quantized here or read from an AWQ/GPTQ checkpoint) are
+    placed leaf by leaf.
+
+    `place(path, leaf)` receives each of values/scale/zero under the weight's own path, so a sharding placer gives it
+    the weight's spec (all three keep out last); `fits(path, shape)` says whether that spec divides the leaf; a leaf
+    it does not divide, and `perm`, are placed under `path + (leaf name,)`, which a sharding placer replicates.
+    """
+    mode = parse_mode(quantize)
+
+    def placer(path: tuple, array) -> Any:
+        name = path[-1]
+        if mode is not None and (name in LINEAR_NAMES or (mode[1] and name in HEAD_NAMES)):
+            array = quantize_host(array.T if name == "embed" else array, mode[0])
+            if name == "embed":
+                path = ("lm_head",)  # now in lm_head's [hidden, vocab] layout, so it takes lm_head's sharding
+        if not isinstance(array, QuantizedWeight):
+            return place(path, np.asarray(array, dtype))
+        leaves = {}
+        for leaf in LEAVES:
+            value = getattr(array, leaf)
+            if value is None:
+                continue
+            shared = leaf != "perm" and (fits is None or fits(path, value.shape))
+            leaves[leaf] = place(path if shared else path + (leaf,), value)
+        return QuantizedWeight(**leaves, bits=array.bits)
+
+    return placer
+
+
+def sharding_fits(config: ModelConfig, mesh) -> Callable[[tuple, tuple], bool] | None:
+    """fits(path, leaf shape): whether the spec sharding gives the weight at `path` divides a leaf of that shape.
+
+    A row-parallel weight's scale [groups, out] may have fewer groups than devices (int8: one), and an int4 leaf is
+    half the rows of its weight; such a leaf is replicated instead of failing to place.
+    """
+    if mesh is None:
+        return None
+    from .sharding import mesh_tp, param_spec
+    sizes = dict(mesh.shape)
+
+    def fits(path: tuple, shape: tuple) -> bool:
+        spec = param_spec(path, config, mesh_tp(mesh))
+        if len(spec) > len(shape):
+            return False
+        for dim, axes in zip(shape, spec):
+            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+            if dim % int(np.prod([sizes[a] for a in names], dtype=np.int64)):
+                return False
+        return True
+
+    return fits
+
+
+def quantize_host(array: np.ndarray, bits: int) -> QuantizedWeight:
+    """`quantize` with the int4 group chosen for this weight's input dim."""
+    return quantize(array, bits, group_size_for(array.shape[0]) if bits == 4 else None)
+
+
+# ---- AWQ / GPTQ checkpoints --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointScheme:
+    """How an int4 AWQ (GEMM) or GPTQ checkpoint stores its linear weights, from config.json's quantization_config.
+
+    AWQ GEMM:  qweight int32 [in, out/8], nibbles in AWQ_ORDER along out; qzeros int32 [in/g, out/8], same order;
+               scales fp16 [in/g, out]; w = (q - z) * s.
+    GPTQ:      qweight int32 [in/8, out], nibble j of word r = input row 8r + j; qzeros int32 [groups, out/8], nibble j
+               = column 8c + j; scales [groups, out]; g_idx int32 [in] = the group of each input row (desc_act:
+               a permutation, else i // g). checkpoint_format "gptq" (v1, what auto-gptq and GPTQModel save by
+               default) stores zero - 1, so zero = nibble + 1 (zero 0 is unrepresentable there); "gptq_v2" stores the
+               zero itself. sym=True is zero 8 (v1 nibble 7), read like any other zero.
+    """
+
+    method: str
+    bits: int
+    group_size: int  # -1: one group over the whole input dim
+    zero_offset: int
+
+    def group_for(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+    def tensor_shapes(self, prefix: str, out_features: int, in_features: int) -> dict[str, tuple[int, ...]]:
+        """The quantized tensors stored for one linear `prefix` (HF name without .weight) and their shapes."""
+        groups = in_features // self.group_for(in_features)
+        if self.method == "awq":
+            return {prefix + ".qweight": (in_features, out_features // 8),
+                    prefix + ".qzeros": (groups, out_features // 8), prefix + ".scales": (groups, out_features)}
+        return {prefix + ".qweight": (in_features // 8, out_features), prefix + ".qzeros": (groups, out_features // 8),
+                prefix + ".scales": (groups, out_features), prefix + ".g_idx": (in_features,)}
+
+    def read(self, prefix: str, out_features: int, in_features: int, tensor: Callable[[str], np.ndarray]
+             ) -> QuantizedWeight:
+        """The QuantizedWeight of linear `prefix`; `tensor(name)` returns a stored tensor (shape checked here)."""
+        shapes = self.tensor_shapes(prefix, out_features, in_features)
+        t = {}
+        for name, shape in shapes.items():
+            array = tensor(name)
+            if tuple(array.shape) != shape:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, {self.method} int4 with "
+                                      f"group_size {self.group_size} implies {shape}")
+            if name.endswith((".qweight", ".qzeros")) and array.dtype != np.int32:
+                raise CheckpointError(f"tensor {name!r} is {array.dtype}, packed int4 must be int32")
+            t[name.rsplit(".", 1)[1]] = array
+        order = AWQ_ORDER if self.method == "awq" else None
+        q = unpack_nibbles(t["qweight"], axis=1 if self.method == "awq" else 0, order=order)
+        zero = unpack_nibbles(t["qzeros"], axis=1, order=order).astype(np.int8) + np.int8(self.zero_offset)
+        scale = np.asarray(t["scales"], np.float32)
+        perm = None
+        group = self.group_for(in_features)
+        if "g_idx" in t:
+            g_idx = np.asarray(t["g_idx"], np.int64)
+            if not np.array_equal(g_idx, np.arange(in_features) // group):
+                perm = np.argsort(g_idx, kind="stable")
+                if not np.array_equal(g_idx[perm], np.arange(in_features) // group):
+                    raise CheckpointError(f"{prefix}.g_idx does not assign exactly {group} input rows to each group")
+                q = q[perm]
+        return QuantizedWeight(values=pack_int4(q), scale=scale, zero=zero,
+                               perm=None if perm is None else perm.astype(np.int32), bits=4)
+
+
+def checkpoint_scheme(config: ModelConfig) -> CheckpointScheme | None:
+    """The AWQ/GPTQ scheme config.json's quantization_config declares; None for a float checkpoint."""
+    raw = dict(config.raw).get("quantization_config")
+    if raw is None:
+        return None
+    qc = json.loads(raw)
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (supported: awq, gptq)")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ConfigError(f"{method} with bits={bits!r} is not supported (supported: 4)")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or (group <= 0 and group != -1):
+        raise ConfigError(f"quantization_config.group_size={group!r} must be a positive integer or -1")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ConfigError(f"AWQ version={version!r} is not supported (supported: gemm)")
+        if qc.get("zero_point", True) is not True:
+            raise ConfigError("AWQ zero_point=false is not supported (AWQ GEMM checkpoints store zeros)")
+        return CheckpointScheme("awq", 4, group, zero_offset=0)
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"GPTQ checkpoint_format={fmt!r} is not supported (supported: gptq, gptq_v2)")
+    return CheckpointScheme("gptq", 4, group, zero_offset=1 if fmt == "gptq" else 0)  # desc_act: read from g_idx

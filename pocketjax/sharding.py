@@ -1,0 +1,216 @@
+"""Tensor parallelism: the device mesh, where every parameter and cache shard lives, and shard_map for the kernels.
+
+Megatron-style layout on a mesh axis "tp", optionally with a "dp" axis of replicas that each serve their own slots:
+
+- q/k/v/gate/up are column-parallel (output features split, i.e. whole heads per device) with their biases;
+  o/down are row-parallel (input features split). Each layer then needs exactly two all-reduces of the
+  [tokens, hidden] activations (after o and after down), which XLA inserts; every other op is local.
+- KV heads are split over "tp" when tp divides num_kv_heads. When kv_heads < tp (and divides it, e.g. the 2 kv
+  heads of Qwen2.5-1.5B at tp=4) the k/v weights and the KV cache are replicated and each device attends with the
+  kv head its query heads share. That costs memory and redundant k/v projections; the alternative, a cache of tp
+  duplicated kv heads, changes the cache's shape for every caller and is left out.
+- Embedding and lm_head are vocab-parallel: in a Qwen checkpoint they are the largest tensors (151936 x hidden,
+  ~25% of Qwen3-0.6B), so replicating them would leave little of TP's memory saving. The lookup becomes a masked
+  local gather plus one all-reduce of [tokens, hidden]; lm_head produces vocab-sharded logits and the sampler's
+  jit runs partitioned on them. A vocab that tp does not divide (the test configs' 257, 301) is replicated rather
+  than padded: padding would change the logits' shape for every caller. Real Qwen vocabularies (151936, 152064)
+  divide by 2, 4 and 8.
+- The same rule for the MLP width: an intermediate_size that tp does not divide is replicated (every Qwen size
+  divides by 8). Heads are the exception: tp must divide num_attention_heads, or loading raises ConfigError.
+- Norms, and o's bias (added after the all-reduce), are replicated.
+- "dp": params are replicated over it, the cache's slot axis is split over it. A decode step over every slot
+  (the engine's dense path: row i is slot i) then runs each replica on its own slots with only small index
+  all-gathers. Prefill and partial decode batches gather cache rows by slot id, which XLA answers with an
+  all-reduce of those rows across replicas: correct, but a dp-aware scheduler that keeps each replica's requests
+  on its own slots is what makes dp pay.
+
+Plain `jax.jit` runs the model: committed, sharded inputs make XLA's SPMD partitioner insert the collectives.
+Only the Pallas kernels, which XLA cannot partition, run per device inside `shard_map` on local heads
+(`attention_over_heads`, called by layers' dispatch). The mesh is read from the cache's type (`jax.typeof(x)
+.sharding.mesh` names the mesh of a sharded jit argument even with automatic axes), or else from a
+`jax.set_mesh` context, so neither the model nor the engine passes it. shard_map is manual over "tp" only: a "dp"
+axis stays with XLA, which cannot split a GPU kernel call, so the kernels see every slot when dp > 1.
+
+Beyond one host: `jax.distributed.initialize()` in every process, then the same code: `jax.devices()` spans the
+hosts, `make_mesh(tp=jax.local_device_count(), dp=jax.process_count())` keeps each TP group (and its all-reduces)
+on one host's fast links, and `make_array_from_callback` asks each process only for its local shards. (Tested
+here on one process only; what the engine still needs across processes is in the README's TP section.)
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from .config import ModelConfig
+from .errors import ConfigError
+from .kv_cache import KVCache, init_cache
+
+TP, DP = "tp", "dp"
+COLUMN_HEADS = ("q", "q_bias")  # always split: tp divides num_heads
+COLUMN_KV = ("k", "v", "k_bias", "v_bias")  # split when tp divides num_kv_heads, else replicated
+COLUMN_MLP = ("gate", "up")
+ROW = {"o": "heads", "down": "mlp"}
+
+
+def make_mesh(tp: int, devices: Sequence[Any] | None = None, *, dp: int | None = None) -> Mesh:
+    """A 1-D ("tp",) mesh over the first tp devices; with `dp`, a 2-D ("dp", "tp") mesh of dp replicas of tp devices.
+
+    Devices are ordered by (process, id), so under `jax.distributed` (where jax.devices() spans every host) a
+    ("dp", "tp") mesh with tp = jax.local_device_count() keeps each tensor-parallel group, and its all-reduces,
+    inside one host, and dp spans the hosts.
+    """
+    if not isinstance(tp, int) or tp < 1 or (dp is not None and (not isinstance(dp, int) or dp < 1)):
+        raise ConfigError(f"tp and dp must be positive integers, got tp={tp!r}, dp={dp!r}")
+    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
+    needed = tp * (dp or 1)
+    if needed > len(devices):
+        shape = f"tp={tp}" if dp is None else f"dp={dp} x tp={tp}"
+        raise ConfigError(f"{shape} needs {needed} devices, but only {len(devices)} are available "
+                          f"({devices[0].platform} x{len(devices)})")
+    if dp is None:
+        return Mesh(np.array(devices[:tp]), (TP,))
+    return Mesh(np.array(devices[:needed]).reshape(dp, tp), (DP, TP))
+
+
+def mesh_tp(mesh) -> int:
+    """The tensor-parallel degree of a mesh (1 when it has no "tp" axis)."""
+    return dict(mesh.shape).get(TP, 1)
+
+
+def check_tp(config: ModelConfig, tp: int) -> None:
+    """Raise ConfigError, naming the numbers, when the model's heads cannot be split over tp devices."""
+    if config.num_heads % tp:
+        raise ConfigError(f"tp={tp} does not divide num_attention_heads={config.num_heads}")
+    kv = config.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ConfigError(f"tp={tp} and num_key_value_heads={kv}: tp must divide the kv heads, or the kv heads "
+                          f"must divide tp (then they are replicated)")
+
+
+def param_spec(path: tuple, config: ModelConfig, tp: int) -> P:
+    """Where a parameter's shards live on the "tp" axis, for our [in, out] layouts (see the module docstring)."""
+    name = path[-1]
+    if tp == 1:
+        return P()
+    split = {"heads": True, "kv": config.num_kv_heads % tp == 0, "mlp": config.intermediate_size % tp == 0,
+             "vocab": config.vocab_size % tp == 0}
+    if name in COLUMN_HEADS or (name in COLUMN_KV and split["kv"]) or (name in COLUMN_MLP and split["mlp"]):
+        return P(None, TP) if not name.endswith("_bias") else P(TP)
+    if name in ROW and split[ROW[name]]:
+        return P(TP, None)
+    if name == "embed" and split["vocab"]:
+        return P(TP, None)  # [vocab, hidden]
+    if name == "lm_head" and split["vocab"]:
+        return P(None, TP)  # [hidden, vocab]
+    return P()
+
+
+def sharded_placer(mesh: Mesh, config: ModelConfig) -> Callable[[tuple, np.ndarray], jax.Array]:
+    """A checkpoint Placer that puts each host tensor straight into its shards: each device gets only its slice.
+
+    `make_array_from_callback` asks for one index per addressable device and copies only that slice, so host
+    memory stays near one tensor; under jax.distributed each process materializes only its local shards.
+    """
+    tp = mesh_tp(mesh)
+    check_tp(config, tp)
+
+    def place(path: tuple, array: np.ndarray) -> jax.Array:
+        sharding = NamedSharding(mesh, param_spec(path, config, tp))
+        return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+    return place
+
+
+def cache_spec(kv_heads: int, mesh) -> P:
+    """[slots, kv_heads, T, D]: slots over "dp" (each replica serves its own), kv heads over "tp" when it divides."""
+    slots = DP if DP in mesh.axis_names else None
+    heads = TP if kv_heads % mesh_tp(mesh) == 0 and mesh_tp(mesh) > 1 else None
+    return P(slots, heads)
+
+
+def cache_shardings(mesh: Mesh, num_layers: int, slots: int, kv_heads: int) -> KVCache:
+    """A KVCache of NamedShardings: k/v per `cache_spec`, lengths along the slot axis."""
+    if DP in mesh.axis_names and slots % mesh.shape[DP]:
+        raise ConfigError(f"{slots} slots cannot be split over dp={mesh.shape[DP]} replicas")
+    layer = NamedSharding(mesh, cache_spec(kv_heads, mesh))
+    lengths = NamedSharding(mesh, P(DP) if DP in mesh.axis_names else P())
+    return KVCache(k=(layer,) * num_layers, v=(layer,) * num_layers, lengths=lengths)
+
+
+def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
+    """The cache placed on the mesh per `cache_shardings` (the donated steps keep it there)."""
+    shardings = cache_shardings(mesh, len(cache.k), cache.num_slots, cache.k[0].shape[1])
+    return jax.device_put(cache, shardings)
+
+
+def init_sharded_cache(mesh: Mesh, num_layers: int, slots: int, kv_heads: int, max_seq_len: int, head_dim: int,
+                       dtype) -> KVCache:
+    """A zeroed cache created directly in its shards: unlike shard_cache(init_cache(...)), no device ever holds
+    the whole cache (which may not fit on one device: that is why it is sharded)."""
+    shardings = cache_shardings(mesh, num_layers, slots, kv_heads)
+    create = jax.jit(init_cache, static_argnums=range(6), out_shardings=shardings)
+    return create(num_layers, slots, kv_heads, max_seq_len, head_dim, jnp.dtype(dtype))
+
+
+def count_collectives(hlo_text: str) -> Counter:
+    """(op, shape) -> count of the collectives in compiled HLO text (`jit(f).lower(...).compile().as_text()`)."""
+    ops = re.findall(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                     hlo_text)
+    return Counter((op, shape) for shape, op in ops)
+
+
+def per_device_bytes(tree) -> dict[Any, int]:
+    """Bytes each device holds for the arrays of a pytree (params, cache)."""
+    total: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
+    return total
+
+
+def kernel_mesh(cache: jax.Array):
+    """The (abstract) mesh a per-device kernel must run over: the one `cache` is placed on, or the context mesh.
+
+    None when there is nothing to split (one device, or a mesh without a "tp" axis larger than 1).
+    """
+    mesh = jax.typeof(cache).sharding.mesh
+    if mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty or mesh_tp(mesh) == 1 else mesh
+
+
+def attention_over_heads(kernel: Callable, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *rows) -> jax.Array:
+    """kernel(q, k_cache, v_cache, *rows) run per device on its own query heads, under shard_map when sharded.
+
+    q [..., q_heads, D] is split on heads over "tp"; the caches [S, kv_heads, T, D] on kv heads when tp divides
+    them, else they are replicated and each device attends with the one kv head its query heads share (when
+    kv_heads > 1, by placing its queries in that head's group of a zero query tensor: kv_heads x the work of
+    one head, none of the cache copied). Row arrays (lengths, starts, slots; None allowed) are replicated.
+    Only "tp" is manual: a "dp" axis stays automatic, so XLA keeps the slot axis wherever it lives.
+    """
+    mesh = kernel_mesh(k_cache)
+    if mesh is None:
+        return kernel(q, k_cache, v_cache, *rows)
+    tp, kv_heads, axis = mesh_tp(mesh), k_cache.shape[1], q.ndim - 2
+    heads = P(*([None] * axis), TP)
+    replicated_kv = kv_heads % tp != 0
+
+    def local(q, k, v, *rows):
+        if not replicated_kv or kv_heads == 1:
+            return kernel(q, k, v, *rows)
+        group = q.shape[axis]  # this device's query heads, all in kv head `h`
+        h = jax.lax.axis_index(TP) * kv_heads // tp
+        full = jnp.zeros(q.shape[:axis] + (kv_heads * group,) + q.shape[axis + 1:], q.dtype)
+        out = kernel(jax.lax.dynamic_update_slice_in_dim(full, q, h * group, axis), k, v, *rows)
+        return jax.lax.dynamic_slice_in_dim(out, h * group, group, axis)
+
+    cache = P() if replicated_kv else P(None, TP)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, cache, cache) + (P(),) * len(rows), out_specs=heads,
+                         axis_names={TP}, check_vma=False)(q, k_cache, v_cache, *rows)

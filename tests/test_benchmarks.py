@@ -1,0 +1,101 @@
+"""benchmarks/bench_engine.py end to end on the tiny preset at minimal sizes: the JSON schema, never the timings."""
+import json
+
+import pytest
+
+from types import SimpleNamespace
+
+from benchmarks import bench_engine, roofline
+from benchmarks.presets import gguf_tensor_name, preset_config
+from pocketjax.checkpoint import expected_shapes
+from pocketjax.config import ModelConfig
+
+RECORD_KEYS = {"system", "dtype", "concurrency", "prefill_tok_s", "decode_tok_s", "decode_ratio_vs_c1",
+               "pct_bandwidth_roofline", "pct_matmul_peak", "decode_step_ms"}
+CHECK_KEYS = {"batched_vs_minimal_ratio", "minimal_loop_ms_per_token", "engine_c1_ms_per_token",
+              "doubled_max_seq_len_ratio", "doubled_max_seq_len_step_ms", "minimal_loop_tokens_match"}
+BREAKDOWN_KEYS = {"forward_ms", "lm_head_ms", "layers_ms", "sampler_ms", "host_ms"}
+
+
+@pytest.mark.timeout(300)
+def test_run_benchmark_writes_records_json_plot_and_table_last(tmp_path, capsys):
+    # One concurrency: each one costs ~4 XLA compiles (~15 s on 2 busy cores), whatever the model's size.
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    result = bench_engine.run_benchmark(quick=True, model="qwen3-micro", cache_dir=str(tmp_path / "models"),
+                                        concurrency="1", prompt_len=8, gen_len=3, repeats=1,
+                                        peers="transformers", json=str(out), plot=str(png))
+    assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+    assert png.stat().st_size > 0
+    machine = result["machine"]
+    assert {"cpu", "cores", "jax", "torch", "peaks", "loadavg_start", "loadavg_end"} <= set(machine)
+    assert machine["peaks"]["bandwidth_bytes_s"] > 0 and machine["peaks"]["matmul_flop_s"] > 0
+    records = result["records"]
+    assert [(r["system"], r["concurrency"]) for r in records] == [("pocketjax", 1), ("transformers", 1)]
+    for r in records:
+        assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
+        assert r["dtype"] == "float32" and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
+    c1 = records[0]
+    assert c1["decode_ratio_vs_c1"] == 1.0
+    assert CHECK_KEYS <= set(c1) and BREAKDOWN_KEYS <= set(c1)
+    assert c1["minimal_loop_tokens_match"] is True  # greedy: the engine and the minimal loop agree
+    lines = [line for line in capsys.readouterr().out.strip().splitlines()]
+    table = lines[-(len(records) + 2):]
+    assert table[0].startswith("| system |") and all(line.startswith("| ") for line in table[2:])
+
+
+def test_quick_fills_only_what_was_not_given():
+    args = bench_engine.resolve_args(quick=True, gen_len=5)
+    assert (args.model, args.gen_len, args.prompt_len) == ("qwen3-tiny", 5, bench_engine.QUICK["prompt_len"])
+    assert args.concurrency == [1, 4] and args.peers == ["transformers"]
+    assert args.max_seq_len == 128
+    assert bench_engine.resolve_args(peers="", prompt_len=200, gen_len=64).max_seq_len == 512
+    assert bench_engine.resolve_args(peers="").peers == []
+    with pytest.raises(SystemExit):
+        bench_engine.resolve_args(peers="vllm")
+
+
+def test_decode_bytes_count_every_weight_once_plus_each_sequences_kv():
+    config = ModelConfig.from_dict(preset_config("qwen3-0.6b"))
+    weights = roofline.weight_bytes_per_step(config, "bfloat16", batch=1)
+    assert weights == 2 * config.num_params()  # tied: the lm_head is the embedding, read once
+    assert 1.1e9 < weights < 1.3e9  # Qwen3-0.6B: 596M parameters
+    per_token = roofline.kv_bytes_per_token(config, "bfloat16")
+    assert per_token == 2 * 28 * 8 * 128 * 2
+    assert roofline.decode_bytes(config, "bfloat16", 4, 100) == weights + 4 * 100 * per_token
+    flops = roofline.prefill_flops(config, 1, 1)
+    assert flops == 2 * 28 * roofline.layer_matmul_params(config) + 2 * 1024 * 151936 + 4 * 28 * 16 * 128
+
+
+def test_roofline_fields_and_ratios_are_per_system():
+    config = ModelConfig.from_dict(preset_config("qwen3-tiny"))
+    args = SimpleNamespace(prompt_len=16, gen_len=8, dtype="float32")
+    peaks = roofline.Peaks(10e9, 10e9, 5e9, 100e9, "float32", 1024, 1 << 20)
+    records = [{"system": s, "dtype": "float32", "concurrency": c, "prefill_tok_s": 100.0 * c, "decode_tok_s": v}
+               for s, c, v in (("pocketjax", 1, 10.0), ("pocketjax", 2, 30.0), ("transformers", 1, 5.0),
+                               ("transformers", 2, 6.0))]
+    bench_engine.add_roofline(records, config, args, peaks)
+    assert [r["decode_ratio_vs_c1"] for r in records] == [1.0, 3.0, 1.0, 1.2]
+    assert records[3]["pocketjax_decode_speedup"] == 5.0
+    bound = peaks.bandwidth_bytes_s / roofline.decode_bytes(config, "float32", 1, 16 + 8 / 2)
+    assert records[0]["pct_bandwidth_roofline"] == pytest.approx(100 * 10.0 / bound)
+    assert "| transformers | float32 | 2 |" in bench_engine.markdown_table(records)
+
+
+@pytest.mark.parametrize("name", ["qwen3-tiny", "qwen3-0.6b"])
+def test_every_checkpoint_tensor_has_a_distinct_gguf_name(name):
+    for overrides in ({}, {"attention_bias": True, "tie_word_embeddings": False}):
+        shapes = expected_shapes(ModelConfig.from_dict({**preset_config(name), **overrides}))
+        names = {gguf_tensor_name(n) for n in shapes}
+        assert len(names) == len(shapes)
+    assert gguf_tensor_name("model.layers.3.self_attn.k_norm.weight") == "blk.3.attn_k_norm.weight"
+    assert gguf_tensor_name("lm_head.weight") == "output.weight"
+
+
+def test_command_line_options_given_explicitly_survive_quick():
+    parse = bench_engine.build_parser(suppress_defaults=True).parse_args
+    given = vars(parse(["--quick", "--model", "qwen3-0.6b", "--concurrency", "1,2,4,8", "--no-checks"]))
+    args = bench_engine.resolve_args(given)
+    assert (args.model, args.concurrency, args.checks) == ("qwen3-0.6b", [1, 2, 4, 8], False)
+    assert args.prompt_len == bench_engine.QUICK["prompt_len"]
+    full = bench_engine.resolve_args(bench_engine.build_parser().parse_args(["--gen-len", "9"]))
+    assert (full.gen_len, full.model, full.checks) == (9, "qwen3-0.6b", True)

@@ -1,0 +1,260 @@
+"""Weight-only quantization: round-trip bounds, packing layouts, quantized logits, AWQ/GPTQ checkpoints."""
+import json
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pocketjax as pj
+from pocketjax import quant
+from pocketjax.checkpoint import open_checkpoint, write_safetensors
+from pocketjax.errors import ConfigError
+from pocketjax.quant import AWQ_ORDER, QuantizedWeight
+
+
+def rel_err(a, b) -> float:
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def rel_rms(a, b) -> float:
+    return float(np.sqrt(np.mean((a - b) ** 2) / np.mean(b**2)))
+
+
+# ---- round trips -------------------------------------------------------------------------------------------------
+def test_int8_round_trip_within_half_a_step_per_channel():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((256, 96)).astype(np.float32) * np.logspace(-3, 1, 96, dtype=np.float32)
+    w[:, 5] = 0.0
+    qw = quant.quantize(w, 8)
+    assert qw.values.dtype == np.int8 and qw.scale.shape == (1, 96) and qw.zero is None
+    assert np.abs(qw.values).max() <= 127
+    err = np.abs(w - np.asarray(quant.dequantize(qw)))
+    assert np.all(err <= qw.scale / 2 * (1 + 1e-6)), float((err / qw.scale).max())
+    assert np.all(err[:, 5] == 0)
+
+
+def test_int4_round_trip_within_half_a_step_per_group():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((384, 64)).astype(np.float32)
+    w[:128, 0] = np.abs(w[:128, 0]) + 3.0  # a group entirely positive (asymmetric range)
+    w[128:256, 1] = -0.25  # a constant group
+    w[256:, 2] = 0.0
+    qw = quant.quantize(w, 4)
+    assert qw.values.shape == (192, 64) and qw.values.dtype == np.uint8
+    assert qw.scale.shape == qw.zero.shape == (3, 64) and qw.group_size == 128
+    assert int(quant.unpack_int4(qw.values).max()) <= 15 and 0 <= int(qw.zero.min()) <= int(qw.zero.max()) <= 15
+    err = np.abs(w - np.asarray(quant.dequantize(qw))).reshape(3, 128, 64)
+    assert np.all(err <= qw.scale[:, None] / 2 * (1 + 1e-6)), float((err / qw.scale[:, None]).max())
+    assert np.all(err[1, :, 1] == 0) and np.all(err[2, :, 2] == 0)
+
+
+@pytest.mark.parametrize("in_features,group", [(128, 128), (1024, 128), (64, 64), (96, 96), (200, 100), (1000, 125),
+                                               (262, 262), (16, 16)])
+def test_int4_group_size_falls_back_to_a_divisor_or_the_whole_dim(in_features, group):
+    assert quant.group_size_for(in_features) == group
+
+
+# ---- packing -----------------------------------------------------------------------------------------------------
+def reference_pack_awq(q: np.ndarray) -> np.ndarray:
+    """AutoAWQ WQLinear_GEMM.from_linear's loop: word col, nibble i <- column col * 8 + order_map[i]."""
+    order_map = [0, 2, 4, 6, 1, 3, 5, 7]
+    packed = np.zeros((q.shape[0], q.shape[1] // 8), np.uint32)
+    for col in range(q.shape[1] // 8):
+        for i in range(8):
+            packed[:, col] |= q[:, col * 8 + order_map[i]].astype(np.uint32) << (i * 4)
+    return packed.view(np.int32)
+
+
+def reference_pack_gptq_rows(q: np.ndarray) -> np.ndarray:
+    """auto-gptq QuantLinear.pack's qweight loop: word row r, nibble j <- input row 8r + j."""
+    packed = np.zeros((q.shape[0] // 8, q.shape[1]), np.uint32)
+    for row in range(q.shape[0] // 8):
+        for j in range(8):
+            packed[row] |= q[row * 8 + j].astype(np.uint32) << (4 * j)
+    return packed.view(np.int32)
+
+
+def reference_pack_gptq_cols(z: np.ndarray) -> np.ndarray:
+    """auto-gptq QuantLinear.pack's qzeros loop: word col c, nibble j <- column 8c + j."""
+    return reference_pack_gptq_rows(z.T).T.copy()
+
+
+def test_pack_unpack_identity_and_documented_orders():
+    rng = np.random.default_rng(2)
+    q = rng.integers(0, 16, (16, 24)).astype(np.uint8)
+    np.testing.assert_array_equal(quant.unpack_int4(quant.pack_int4(q)), q)
+    np.testing.assert_array_equal(np.asarray(quant.unpack_int4(jnp.asarray(quant.pack_int4(q)))), q)
+    packed = quant.pack_int4(q)
+    np.testing.assert_array_equal(packed & 15, q[0::2])
+    np.testing.assert_array_equal(packed >> 4, q[1::2])
+    for axis in (0, 1):
+        for order in (None, AWQ_ORDER):
+            words = quant.pack_nibbles(q, axis, order)
+            assert words.dtype == np.int32 and words.shape[axis] == q.shape[axis] // 8
+            np.testing.assert_array_equal(quant.unpack_nibbles(words, axis, order), q)
+    np.testing.assert_array_equal(quant.pack_nibbles(q, 1, AWQ_ORDER), reference_pack_awq(q))
+    np.testing.assert_array_equal(quant.pack_nibbles(q, 0), reference_pack_gptq_rows(q))
+    np.testing.assert_array_equal(quant.pack_nibbles(q, 1), reference_pack_gptq_cols(q))
+    ramp = np.arange(8, dtype=np.uint8)[None]
+    assert quant.pack_nibbles(ramp, 1, AWQ_ORDER).view(np.uint32)[0, 0] == 0x75316420  # nibble i = AWQ_ORDER[i]
+    assert quant.pack_nibbles(ramp, 1).view(np.uint32)[0, 0] == 0x76543210
+
+
+def test_quantized_weight_is_a_pytree_through_jit():
+    qw = quant.quantize(np.random.default_rng(3).standard_normal((64, 16)), 4)
+    leaves, treedef = jax.tree.flatten(qw)
+    assert len(leaves) == 3  # values, scale, zero; bits is static
+    x = jnp.ones((2, 64), jnp.float32)
+    y = jax.jit(quant.matmul)(x, jax.tree.map(jnp.asarray, qw))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(quant.dequantize(qw)), rtol=1e-5, atol=1e-5)
+
+
+# ---- quantize at load --------------------------------------------------------------------------------------------
+TOKENS = np.random.default_rng(4).integers(0, 257, size=(2, 24))  # one shape: every float model compiles once
+
+
+@pytest.mark.parametrize("name,modes", [("qwen3_gqa4_headdim", ("int8", "int4")), ("qwen2_gqa2_tied", ("int4+head",))])
+def test_quantized_logits_close_to_float(hf_checkpoint, name, modes):
+    folder = hf_checkpoint(name)
+    ref = np.asarray(pj.logits(pj.load_model(folder), TOKENS))
+    # Stated bounds, for these random models whose weights (std 0.08) make logits sensitive: int8's step is ~1/127 of
+    # a channel's absmax (0.3-0.6% RMS per matrix) -> logits within 3% RMS; int4's is ~1/15 of a group's range
+    # (~8% RMS per matrix, compounding over 2-3 layers) -> within 30%. int4+head also quantizes embedding/lm_head.
+    bounds = {"int8": 0.03, "int4": 0.30, "int4+head": 0.35}
+    for mode in modes:
+        model = pj.load_model(folder, quantize=mode)
+        assert model.dtype == jnp.float32
+        assert all(isinstance(p[k], QuantizedWeight) for p in model.params["layers"] for k in quant.LINEAR_NAMES)
+        assert isinstance(model.params["embed"], QuantizedWeight) == mode.endswith("+head")
+        err = rel_rms(np.asarray(pj.logits(model, TOKENS)), ref)
+        assert err < bounds[mode], (mode, err)
+
+
+def test_dequantization_is_per_matmul_and_local_under_tp():
+    """A chain of quantized matmuls holds one transient float32 weight at a time (XLA:CPU hoisted every
+    dequantization to the start before `quant.after`), and a row-parallel matmul (x and rows split over "tp") runs
+    without gathering x: the only collective is the all-reduce of the partial products."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    rng = np.random.default_rng(6)
+    for bits in (8, 4):
+        ws = [jax.tree.map(jnp.asarray, quant.quantize(rng.standard_normal((256, 256)), bits)) for _ in range(6)]
+        x = jnp.ones((4, 256), jnp.float32)
+
+        def chain(x, ws):
+            for w in ws:
+                x = jnp.tanh(quant.matmul(x, w))
+            return x
+
+        temp = jax.jit(chain).lower(x, ws).compile().memory_analysis().temp_size_in_bytes
+        assert temp <= 2 * 256 * 256 * 4, (bits, temp)  # hoisted: 6 x 256 KiB
+
+        mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
+        rows, whole = NamedSharding(mesh, P("tp", None)), NamedSharding(mesh, P())
+        w = jax.tree.map(lambda a: jax.device_put(a, whole if a.shape[0] % 2 else rows), ws[0])  # int8 scale [1, out]
+        xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
+        hlo = jax.jit(quant.matmul).lower(xs, w).compile().as_text()
+        assert "all-gather" not in hlo and "all-reduce" in hlo, bits
+
+
+def test_quantized_weights_shrink(hf_checkpoint):
+    folder = hf_checkpoint("qwen3_gqa4_headdim")
+    full = pj.load_model(folder)
+    for mode, bound in (("int8", 0.55 / 2), ("int4", 0.30 / 2)):  # vs float32, i.e. 0.55x / 0.30x of bfloat16
+        model = pj.load_model(folder, quantize=mode)
+        ours = sum(p[k].nbytes for p in model.params["layers"] for k in quant.LINEAR_NAMES)
+        theirs = sum(full.params["layers"][i][k].nbytes for i in range(3) for k in quant.LINEAR_NAMES)
+        assert ours <= bound * theirs, (mode, ours / theirs)
+
+
+def test_unknown_quantize_and_bits_raise_config_error(hf_checkpoint):
+    folder = hf_checkpoint("qwen2_gqa2_tied")
+    for bad in ("int3", "fp8", "INT8", ""):
+        with pytest.raises(ConfigError, match="quantize"):
+            pj.load_model(folder, quantize=bad)
+    with pytest.raises(ConfigError, match="bits"):
+        quant.quantize(np.ones((8, 8)), 3)
+
+
+# ---- AWQ / GPTQ checkpoints --------------------------------------------------------------------------------------
+GROUP = 32
+CASES = {  # name -> (method, checkpoint_format, sym, desc_act, source); same source + desc_act: one compile
+    "awq": ("awq", None, False, False, "qwen3_gqa4_headdim"),
+    "gptq_sym": ("gptq", "gptq", True, False, "qwen3_gqa4_headdim"),
+    "gptq_asym_desc_act": ("gptq", "gptq", False, True, "qwen2_gqa2_tied"),
+    "gptq_v2_asym_desc_act": ("gptq", "gptq_v2", False, True, "qwen2_gqa2_tied"),
+}
+
+
+def write_prequantized(src, dst_quant, dst_float, method, fmt, sym, desc_act, seed=0) -> dict[str, np.ndarray]:
+    """Replace every *_proj.weight of a float checkpoint by random int4 (q, zero, fp16 scale) packed in the method's
+    layout; write the same weights dequantized as a float checkpoint. Returns {name: intended [in, out] weight}."""
+    rng = np.random.default_rng(seed)
+    floats = {name: np.asarray(f.tensor(name)) for name, f in open_checkpoint(src).items()}
+    packed, intended = dict(floats), {}
+    for name, w in floats.items():
+        if not name.endswith("_proj.weight"):
+            continue
+        out_f, in_f = w.shape
+        groups = in_f // GROUP
+        g_idx = rng.permutation(in_f) // GROUP if desc_act else np.arange(in_f) // GROUP
+        q = rng.integers(0, 16, (in_f, out_f)).astype(np.uint8)
+        lowest = 1 if fmt == "gptq" else 0  # v1 stores zero - 1, so its zeros start at 1
+        zero = np.full((groups, out_f), 8) if sym else rng.integers(lowest, 16, (groups, out_f))
+        zero = zero.astype(np.uint8)
+        scale = rng.uniform(0.01, 0.025, (groups, out_f)).astype(np.float16)
+        intended[name] = (q.astype(np.float32) - zero[g_idx]) * scale[g_idx].astype(np.float32)
+        prefix = name.removesuffix(".weight")
+        del packed[name]
+        if method == "awq":
+            packed[prefix + ".qweight"] = reference_pack_awq(q)
+            packed[prefix + ".qzeros"] = reference_pack_awq(zero)
+        else:
+            packed[prefix + ".qweight"] = reference_pack_gptq_rows(q)
+            packed[prefix + ".qzeros"] = reference_pack_gptq_cols(zero - (1 if fmt == "gptq" else 0))
+            packed[prefix + ".g_idx"] = g_idx.astype(np.int32)
+        packed[prefix + ".scales"] = scale
+    cfg = json.loads((src / "config.json").read_text())
+    qc = {"quant_method": method, "bits": 4, "group_size": GROUP}
+    qc |= {"zero_point": True, "version": "gemm"} if method == "awq" else {"sym": sym, "desc_act": desc_act,
+                                                                          "checkpoint_format": fmt}
+    for folder, tensors, extra in ((dst_quant, packed, {"quantization_config": qc}),
+                                   (dst_float, floats | {n: w.T.copy() for n, w in intended.items()}, {})):
+        folder.mkdir()
+        write_safetensors(folder / "model.safetensors", tensors)
+        (folder / "config.json").write_text(json.dumps(cfg | extra))
+    return intended
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prequantized_checkpoint_dequantizes_exactly_and_matches_float(hf_checkpoint, tmp_path, case):
+    method, fmt, sym, desc_act, source = CASES[case]
+    intended = write_prequantized(hf_checkpoint(source), tmp_path / "q", tmp_path / "f", method, fmt, sym, desc_act)
+    model = pj.load_model(tmp_path / "q")
+    for n, p in enumerate(model.params["layers"]):
+        for ours, hf in (("q", "self_attn.q_proj"), ("o", "self_attn.o_proj"), ("down", "mlp.down_proj")):
+            w = p[ours]
+            assert isinstance(w, QuantizedWeight) and w.bits == 4 and w.group_size == GROUP
+            assert (w.perm is not None) == desc_act
+            want = intended[f"model.layers.{n}.{hf}.weight"]
+            rows = np.arange(want.shape[0]) if w.perm is None else np.asarray(w.perm)
+            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want[rows])
+    ours = np.asarray(pj.logits(model, TOKENS))
+    ref = np.asarray(pj.logits(pj.load_model(tmp_path / "f"), TOKENS))
+    assert rel_err(ours, ref) <= 1e-5, rel_err(ours, ref)
+
+
+def test_prequantized_checkpoint_config_errors(hf_checkpoint, tmp_path):
+    src = hf_checkpoint("qwen2_gqa2_tied")
+    write_prequantized(src, tmp_path / "q", tmp_path / "f", "gptq", "gptq", True, False)
+    with pytest.raises(ConfigError, match="already gptq"):
+        pj.load_model(tmp_path / "q", quantize="int8")
+    cfg = json.loads((tmp_path / "q" / "config.json").read_text())
+    for change, match in (({"bits": 8}, "bits=8"), ({"quant_method": "exl2"}, "quant_method"),
+                          ({"checkpoint_format": "marlin"}, "checkpoint_format")):
+        bad = tmp_path / f"bad{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(tmp_path / "q", bad)
+        (bad / "config.json").write_text(json.dumps(cfg | {"quantization_config": cfg["quantization_config"] | change}))
+        with pytest.raises(ConfigError, match=match):
+            pj.load_model(bad)
