@@ -165,23 +165,24 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-# Our param name -> (HF suffix, transpose?). Linear weights are stored [in, out] so activations do `x @ w`.
+# Our param name -> (HF suffix, transpose?). Linear weights keep HF's [out, in] layout: on XLA:CPU the decode-sized
+# product runs fastest as w @ x.T (benchmarks/xla_cpu_matmul.py), and loading needs no transposes.
 LAYER_TENSORS = {
     "input_norm": ("input_layernorm.weight", False),
     "post_norm": ("post_attention_layernorm.weight", False),
-    "q": ("self_attn.q_proj.weight", True),
-    "k": ("self_attn.k_proj.weight", True),
-    "v": ("self_attn.v_proj.weight", True),
-    "o": ("self_attn.o_proj.weight", True),
+    "q": ("self_attn.q_proj.weight", False),
+    "k": ("self_attn.k_proj.weight", False),
+    "v": ("self_attn.v_proj.weight", False),
+    "o": ("self_attn.o_proj.weight", False),
     "q_bias": ("self_attn.q_proj.bias", False),
     "k_bias": ("self_attn.k_proj.bias", False),
     "v_bias": ("self_attn.v_proj.bias", False),
     "o_bias": ("self_attn.o_proj.bias", False),
     "q_norm": ("self_attn.q_norm.weight", False),
     "k_norm": ("self_attn.k_norm.weight", False),
-    "gate": ("mlp.gate_proj.weight", True),
-    "up": ("mlp.up_proj.weight", True),
-    "down": ("mlp.down_proj.weight", True),
+    "gate": ("mlp.gate_proj.weight", False),
+    "up": ("mlp.up_proj.weight", False),
+    "down": ("mlp.down_proj.weight", False),
 }
 
 
@@ -242,7 +243,7 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
                 yield ("layers", n, ours), read(name, transpose)
     yield ("final_norm",), read("model.norm.weight")
     if not config.tie_word_embeddings:
-        yield ("lm_head",), read("lm_head.weight", transpose=True)
+        yield ("lm_head",), read("lm_head.weight")
 
 
 def load_params(folder: str | Path, config: ModelConfig, dtype: np.dtype, place: Placer) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +42,25 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
+SKINNY_ROWS = 64  # up to this many rows (decode batches), XLA:CPU runs the transposed product far faster
+
+
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = None) -> jax.Array:
-    """x @ w (+ b); weights are stored [in, out], plain or quantized (dequantized inside the matmul)."""
-    y = quant.matmul(x, w) if isinstance(w, QuantizedWeight) else x @ w
+    """x @ w.T (+ b) for a weight stored [out, in] (HF's layout), or a QuantizedWeight (dequantized in the matmul).
+
+    For a few rows on CPU the product is computed as w @ x.T, materialized (the barrier keeps XLA from folding the
+    transpose back into the dot's output layout), then transposed: XLA:CPU's [8, 1024] x [1024, 3072] dot takes
+    3-5x the batch-1 time, the tall-skinny form about the same as batch 1 (benchmarks/xla_cpu_matmul.py).
+    """
+    if isinstance(w, QuantizedWeight):
+        y = quant.matmul(x, w)
+    else:
+        rows = math.prod(x.shape[:-1])
+        if rows <= SKINNY_ROWS and jax.default_backend() == "cpu":
+            flat = x.reshape(rows, x.shape[-1])
+            y = jax.lax.optimization_barrier(w @ flat.T).T.reshape(*x.shape[:-1], w.shape[0])
+        else:
+            y = jnp.einsum("...k,nk->...n", x, w)
     return y if b is None else y + b
 
 

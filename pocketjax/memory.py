@@ -94,8 +94,8 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     for path, shape in param_shapes(config):
         name = path[-1]
         if mode is not None and (name in quant.LINEAR_NAMES or (mode[1] and name in quant.HEAD_NAMES)):
-            if name == "embed":  # stored transposed, placed as lm_head (see quant.quantizing_placer)
-                path, shape = ("lm_head",), shape[::-1]
+            # quantized weights are held [in, out] (see quant.quantizing_placer); the embedding as lm_head
+            path, shape = (quant.QUANTIZED,) + (("lm_head",) if name == "embed" else path), shape[::-1]
             leaves = quant.leaf_shapes(*shape, mode[0]).values()
         else:
             leaves = [(shape, a)]
@@ -139,7 +139,7 @@ def param_shapes(config: ModelConfig) -> Iterator[tuple[tuple, tuple[int, ...]]]
                 yield ("layers", n, ours), shapes[name][::-1] if transpose else shapes[name]
     yield ("final_norm",), shapes["model.norm.weight"]
     if not config.tie_word_embeddings:
-        yield ("lm_head",), shapes["lm_head.weight"][::-1]
+        yield ("lm_head",), shapes["lm_head.weight"]
 
 
 def device_bytes(path: tuple, shape: tuple[int, ...], element_bytes: int, config: ModelConfig, tp: int) -> int:

@@ -61,12 +61,8 @@ def run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
-    """Float32 logits; a tied model reuses the embedding (contracting its hidden axis, no transpose copy)."""
-    if "lm_head" in params or isinstance(params["embed"], quant.QuantizedWeight):  # quantized: [hidden, vocab]
-        out = layers.linear(hidden, params.get("lm_head", params["embed"]))
-    else:
-        out = jnp.einsum("...h,vh->...v", hidden, params["embed"])
-    return out.astype(jnp.float32)
+    """Float32 logits; a tied model reuses the embedding table [vocab, hidden] as its output projection."""
+    return layers.linear(hidden, params.get("lm_head", params["embed"])).astype(jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("config",))

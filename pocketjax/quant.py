@@ -219,6 +219,8 @@ def embed(table, tokens: jax.Array, dtype) -> jax.Array:
 
 
 # ---- quantizing at load ------------------------------------------------------------------------------------------
+# A placer path starting with QUANTIZED is a QuantizedWeight leaf, held [in, out]: sharding transposes its spec.
+QUANTIZED = "quantized"
 Placer = Callable[[tuple, np.ndarray], Any]
 
 
@@ -237,11 +239,12 @@ def quantizing_placer(place: Placer, quantize: str | None, dtype, fits: Callable
     def placer(path: tuple, array) -> Any:
         name = path[-1]
         if mode is not None and (name in LINEAR_NAMES or (mode[1] and name in HEAD_NAMES)):
-            array = quantize_host(array.T if name == "embed" else array, mode[0])
+            array = quantize_host(array.T, mode[0])  # float weights arrive [out, in] (HF's layout)
             if name == "embed":
                 path = ("lm_head",)  # now in lm_head's [hidden, vocab] layout, so it takes lm_head's sharding
         if not isinstance(array, QuantizedWeight):
             return place(path, np.asarray(array, dtype))
+        path = (QUANTIZED,) + path  # leaves are [in, out]: the sharding placer transposes the weight's spec
         leaves = {}
         for leaf in LEAVES:
             value = getattr(array, leaf)

@@ -51,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .config import ModelConfig
 from .errors import ConfigError
 from .kv_cache import KVCache, init_cache
+from .quant import QUANTIZED
 
 TP, DP = "tp", "dp"
 COLUMN_HEADS = ("q", "q_bias")  # always split: tp divides num_heads
@@ -95,20 +96,22 @@ def check_tp(config: ModelConfig, tp: int) -> None:
 
 
 def param_spec(path: tuple, config: ModelConfig, tp: int) -> P:
-    """Where a parameter's shards live on the "tp" axis, for our [in, out] layouts (see the module docstring)."""
+    """Where a parameter's shards live on the "tp" axis: linears are [out, in] (HF's layout); a path that starts
+    with QUANTIZED is a QuantizedWeight leaf, held [in, out], and gets the transposed spec."""
+    if path and path[0] == QUANTIZED:
+        spec = tuple(param_spec(path[1:], config, tp))
+        return P(*spec[::-1]) if len(spec) == 2 else P(*spec)
     name = path[-1]
     if tp == 1:
         return P()
     split = {"heads": True, "kv": config.num_kv_heads % tp == 0, "mlp": config.intermediate_size % tp == 0,
              "vocab": config.vocab_size % tp == 0}
     if name in COLUMN_HEADS or (name in COLUMN_KV and split["kv"]) or (name in COLUMN_MLP and split["mlp"]):
-        return P(None, TP) if not name.endswith("_bias") else P(TP)
+        return P(TP, None) if not name.endswith("_bias") else P(TP)
     if name in ROW and split[ROW[name]]:
-        return P(TP, None)
-    if name == "embed" and split["vocab"]:
+        return P(None, TP)
+    if name in ("embed", "lm_head") and split["vocab"]:
         return P(TP, None)  # [vocab, hidden]
-    if name == "lm_head" and split["vocab"]:
-        return P(None, TP)  # [hidden, vocab]
     return P()
 
 

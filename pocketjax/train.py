@@ -70,7 +70,7 @@ def param_names(config: ModelConfig) -> dict[tuple, tuple[str, bool]]:
                 names[("layers", n, ours)] = (name, transpose)
     names[("final_norm",)] = ("model.norm.weight", False)
     if "lm_head.weight" in hf:
-        names[("lm_head",)] = ("lm_head.weight", True)
+        names[("lm_head",)] = ("lm_head.weight", False)
     return names
 
 

@@ -74,9 +74,10 @@ def test_tp2_logits_match_tp1(load, name):
     assert rel_err(pj.logits(two, tokens), pj.logits(one, tokens)) <= 1e-5
     layer = two.params["layers"][0]
     kv_split = one.config.num_kv_heads % 2 == 0
-    assert layer["q"].sharding.spec == P(None, "tp") and layer["o"].sharding.spec == P("tp", None)
-    assert layer["k"].sharding.spec == (P(None, "tp") if kv_split else P())
-    assert layer["gate"].sharding.spec == P(None, "tp") and layer["down"].sharding.spec == P("tp", None)
+    # linears are [out, in]: column-parallel splits axis 0, row-parallel axis 1
+    assert layer["q"].sharding.spec == P("tp", None) and layer["o"].sharding.spec == P(None, "tp")
+    assert layer["k"].sharding.spec == (P("tp", None) if kv_split else P())
+    assert layer["gate"].sharding.spec == P("tp", None) and layer["down"].sharding.spec == P(None, "tp")
     assert layer["input_norm"].sharding.spec == P()
     assert two.params["embed"].sharding.spec == (P("tp", None) if one.config.vocab_size % 2 == 0 else P())
 
@@ -110,8 +111,10 @@ def test_engine_greedy_tp2_equals_tp1(load, reference_tokens, name, impl):
         c, z = model.config, np.zeros(4, np.int32)  # plus 1 for the vocab-parallel embedding lookup; no gathers
         compiled = decode_step.lower(model.params, engine.cache, z, z, z, z > 0, config=c, impl=impl, kv_len=64,
                                      dense=True).compile()
-        assert sharding.count_collectives(compiled.as_text()) == {
-            ("all-reduce", f"f32[4,1,{c.hidden_size}]{{2,1,0}}"): 2 * c.num_layers + 1}
+        collectives = sharding.count_collectives(compiled.as_text())
+        # the row-parallel products reduce [hidden, rows] (computed as w @ x.T on CPU, see layers.linear)
+        assert collectives == {("all-reduce", f"f32[4,1,{c.hidden_size}]{{2,1,0}}"): 1,
+                               ("all-reduce", f"f32[{c.hidden_size},4]{{1,0}}"): 2 * c.num_layers}
 
 
 def test_scheduler_and_llm_run_unchanged_under_tp2(hf_checkpoint, reference_tokens):
