@@ -27,6 +27,10 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: pocketjax + siblings
+# PyTorch's OpenMP workers spin while they wait; on a shared 2-core box they fight every other process for the cores
+# and transformers' small decode matmuls slow down ~10x (measured on qwen3-tiny: 91 -> 11 ms/token). Passive
+# waiting makes the peer's figures depend less on the neighbours. Set OMP_WAIT_POLICY yourself to override.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -137,6 +141,7 @@ def machine_info(args: SimpleNamespace, peaks: roofline.Peaks) -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
             "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "numpy": np.__version__, "loadavg_start": list(os.getloadavg()), "peaks": asdict(peaks),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}}
     for name in ("torch", "transformers", "llama_cpp"):
         try:
@@ -208,10 +213,13 @@ def minimal_cycle(model, engine: Engine, prompt: list[int], gen_len: int, sync: 
 
     With `sync`, each token is fetched to the host as it is made (as any streaming loop must, to check stops);
     without, steps are dispatched back to back, only the last is waited for, and the mean step is returned.
+    Attention reads the engine's kv bucket, but the one-slot cache is twice the engine's max_seq_len: with one slot
+    and a bucket equal to the whole cache, XLA:CPU copies every layer's cache several times per step (seen in the
+    compiled HLO), which would make the baseline slow for a reason that is not the engine's.
     """
     c = model.config
     s = engine.max_seq_len
-    cache = init_cache(c.num_layers, 1, c.num_kv_heads, s, c.head_dim, model.dtype)
+    cache = init_cache(c.num_layers, 1, c.num_kv_heads, 2 * s, c.head_dim, model.dtype)
     kv = lambda n: bucket(n, engine.config.min_kv_bucket, s)  # noqa: E731 - the engine's kv bucket rule
     cache, token = minimal_prefill(model.params, cache, jnp.asarray([prompt], jnp.int32), config=c,
                                    impl=engine.impl, kv_len=kv(len(prompt)))
@@ -662,34 +670,37 @@ def plot(records: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def save(result: dict, config: ModelConfig, args: SimpleNamespace, peaks: roofline.Peaks) -> None:
+    """Fill the roofline fields and the end load; write the JSON if asked."""
+    add_roofline(result["records"], config, args, peaks)
+    result["machine"]["loadavg_end"] = list(os.getloadavg())
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+
+
 def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> dict:
     """Run the whole benchmark; returns {"machine": {...}, "records": [...]} (also written to --json if given)."""
     args = resolve_args(args, **kwargs)
     folder = model_folder(args)
     print(f"bench: {args.model} ({folder}) {args.dtype}, concurrency {args.concurrency}, prompt {args.prompt_len}, "
           f"gen {args.gen_len}, {args.repeats} repeats, max_seq_len {args.max_seq_len}", flush=True)
-    phases = {}
     t0 = time.perf_counter()
     peaks = roofline.measure_peaks(args.dtype, copy_bytes=(64 << 20) if args.quick else (256 << 20),
                                    matmul_n=1024 if args.quick else 2048)
     machine = machine_info(args, peaks)
-    phases["peaks"], t0 = time.perf_counter() - t0, time.perf_counter()
+    phases = machine["phase_s"] = {"peaks": time.perf_counter() - t0}
+    t0 = time.perf_counter()
     records, config = bench_pocketjax(folder, args)
-    phases["pocketjax"], t0 = time.perf_counter() - t0, time.perf_counter()
-    vocab = config.vocab_size
-    if "transformers" in args.peers:
-        records += bench_transformers(folder, args, vocab)
-        phases["transformers"], t0 = time.perf_counter() - t0, time.perf_counter()
-    if "llamacpp" in args.peers:
-        records += bench_llamacpp(folder, args, vocab)
-        phases["llamacpp"] = time.perf_counter() - t0
-    add_roofline(records, config, args, peaks)
-    machine["loadavg_end"] = list(os.getloadavg())
-    machine["phase_s"] = phases
+    phases["pocketjax"] = time.perf_counter() - t0
     result = {"machine": machine, "records": records}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    save(result, config, args, peaks)  # after each system, so a long run that is stopped keeps what it measured
+    peers = {"transformers": bench_transformers, "llamacpp": bench_llamacpp}
+    for name in args.peers:
+        t0 = time.perf_counter()
+        records += peers[name](folder, args, config.vocab_size)
+        phases[name] = time.perf_counter() - t0
+        save(result, config, args, peaks)
     if args.plot:
         plot(records, args.plot, f"{args.model} {args.dtype}, prompt {args.prompt_len}, gen {args.gen_len}")
     print("\n".join(summary_lines(result)))
