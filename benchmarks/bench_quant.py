@@ -1,5 +1,5 @@
-"""Weight-only quantization: weight bytes, KV bytes, perplexity and decode speed of int8 / int4 next to bfloat16 and
-float32. Prints a markdown table last; `--json` writes every record.
+"""Quantization: weight bytes, KV cache bytes, perplexity and decode speed of int8 / int4 weights and int8 / float8
+KV caches next to bfloat16 and float32. Prints a markdown table last; `--json` writes every record.
 
     python benchmarks/bench_quant.py                       # embedded model if present, else the qwen3-tiny preset
     python benchmarks/bench_quant.py --model PATH --json out/quant.json --gen-len 32 --concurrency 1,4
@@ -35,9 +35,12 @@ from pocketjax.model import forward_logits  # noqa: E402
 from pocketjax.sampling import SamplingParams  # noqa: E402
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "pocketjax" / "assets" / "pocket-coder"
-SPEED_VARIANTS = [("float32", None), ("bfloat16", None), ("float32", "int8"), ("float32", "int4"),
-                  ("bfloat16", "int8"), ("bfloat16", "int4")]
+# (compute dtype, weight quantization, KV cache dtype)
+SPEED_VARIANTS = [("float32", None, None), ("bfloat16", None, None), ("float32", "int8", None),
+                  ("float32", "int4", None), ("bfloat16", "int8", None), ("bfloat16", "int4", None),
+                  ("float32", None, "int8"), ("bfloat16", None, "int8"), ("bfloat16", None, "float8_e4m3fn")]
 PPL_MODES = [None, "int8", "int4", "int8+head", "int4+head"]
+KV_MODES = ["int8", "float8_e4m3fn"]
 SEED_64L = dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
                 num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8)
 
@@ -87,8 +90,8 @@ def eval_tokens(folder: Path, config, seqs: int, length: int) -> tuple[np.ndarra
         "sampled from the float32 model (random weights)"
 
 
-def perplexity(model: pj.Model, tokens: np.ndarray) -> float:
-    logits = np.asarray(pj.logits(model, tokens[:, :-1]), np.float64)
+def perplexity(model: pj.Model, tokens: np.ndarray, kv_dtype: str | None = None) -> float:
+    logits = np.asarray(pj.logits(model, tokens[:, :-1], kv_dtype=kv_dtype), np.float64)
     logits -= logits.max(axis=-1, keepdims=True)
     logp = logits - np.log(np.exp(logits).sum(axis=-1, keepdims=True))
     nll = -np.take_along_axis(logp, tokens[:, 1:, None], axis=-1).mean()
@@ -112,12 +115,13 @@ def decode_cycle(engine: Engine, concurrency: int, prompt_len: int, gen_len: int
     return concurrency * (gen_len - 1) / elapsed
 
 
-def decode_speeds(models: dict[str, pj.Model], concurrency: int, prompt_len: int, gen_len: int, repeats: int
-                  ) -> dict[str, tuple[float, float]]:
-    """{variant: (best, median) warm decode tokens/s}. Variants are interleaved round by round, so a burst of load
-    from other processes hits all of them alike; the best round is the least disturbed one."""
+def decode_speeds(models: dict[str, tuple[pj.Model, str | None]], concurrency: int, prompt_len: int, gen_len: int,
+                  repeats: int) -> dict[str, tuple[float, float]]:
+    """{variant: (best, median) warm decode tokens/s} for {variant: (model, kv_dtype)}. Variants are interleaved
+    round by round, so a burst of load from other processes hits all of them alike; the best round is the least
+    disturbed one."""
     engines = {name: Engine(m, max_batch_size=concurrency, max_seq_len=max(128, prompt_len + gen_len),
-                            prefill_chunk=64) for name, m in models.items()}
+                            prefill_chunk=64, kv_dtype=kv) for name, (m, kv) in models.items()}
     rng = np.random.default_rng(1)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     for round_ in range(repeats + 1):  # round 0 compiles every shape
@@ -155,11 +159,18 @@ def main() -> None:
         linear, total = weight_bytes(pj.load_model(folder, dtype="bfloat16", quantize=mode))
         records.append({"kind": "weights", "variant": mode, "linear_bytes": linear, "total_bytes": total,
                         "linear_vs_bf16": linear / bf16_linear, "total_vs_bf16": total / bf16_total})
-    for name, cfg in (("model", config), ("64-layer seed", SEED_64L)):
-        plans = {kv: pj.plan_memory(cfg, tp=1 if name == "model" else 2, dtype="bfloat16", kv_dtype=kv)
-                 for kv in ("bfloat16", "int8")}
-        records.append({"kind": "kv", "variant": f"int8 KV ({name})", "kv_bytes": plans["int8"].kv_cache,
-                        "vs_bf16": plans["int8"].kv_cache / plans["bfloat16"].kv_cache})
+    for name, cfg in (("model, planned", config), ("64-layer seed TP2, planned", SEED_64L)):
+        plans = {kv: pj.plan_memory(cfg, tp=1 if name.startswith("model") else 2, dtype="bfloat16", kv_dtype=kv)
+                 for kv in ["bfloat16"] + KV_MODES}
+        for kv in KV_MODES:
+            records.append({"kind": "kv", "variant": f"{kv} KV ({name})", "kv_bytes": plans[kv].kv_cache,
+                            "vs_bf16": plans[kv].kv_cache / plans["bfloat16"].kv_cache})
+    bf16_model = pj.load_model(folder, dtype="bfloat16")
+    allocated = {kv: Engine(bf16_model, max_batch_size=8, max_seq_len=1024, kv_dtype=kv).cache.nbytes
+                 for kv in [None] + KV_MODES}  # the arrays an Engine really holds, scales included
+    for kv in KV_MODES:
+        records.append({"kind": "kv", "variant": f"{kv} KV (model, allocated 8 x 1024)", "kv_bytes": allocated[kv],
+                        "vs_bf16": allocated[kv] / allocated[None]})
 
     # transient memory of one forward: the dequantized operand is per matmul, not per model
     for mode in (None, "int8", "int4"):
@@ -176,10 +187,15 @@ def main() -> None:
         base = base or ppl
         records.append({"kind": "ppl", "variant": mode or "float32", "ppl": ppl, "increase": ppl / base - 1,
                         "source": source})
+    float_model = pj.load_model(folder, dtype="float32")
+    for kv in KV_MODES:
+        ppl = perplexity(float_model, tokens, kv_dtype=kv)
+        records.append({"kind": "ppl", "variant": f"{kv} KV cache", "ppl": ppl, "increase": ppl / base - 1,
+                        "source": source})
 
     # decode speed
-    models = {f"{mode or dtype} ({dtype} compute)": pj.load_model(folder, dtype=dtype, quantize=mode)
-              for dtype, mode in SPEED_VARIANTS}
+    models = {f"{mode or dtype} ({dtype} compute)" + (f", {kv} KV" if kv else ""):
+              (pj.load_model(folder, dtype=dtype, quantize=mode), kv) for dtype, mode, kv in SPEED_VARIANTS}
     for c in (int(x) for x in args.concurrency.split(",")):
         for name, (best, median) in decode_speeds(models, c, args.prompt_len, args.gen_len, args.repeats).items():
             records.append({"kind": "decode", "variant": name, "concurrency": c, "decode_tok_s": best,

@@ -18,6 +18,11 @@ normalizes in the kernel and skips the combine.
 
 Head dims that are not powers of two (80, 96) are padded to the next one: q in the wrapper (small),
 K/V not at all: their BlockSpec is wider than the array and the padded columns are masked at load.
+
+A quantized cache (int8 / float8 values + float32 scales per token and kv head, `k_scale`/`v_scale`
+[S, kv_heads, T]) is read as stored: each block is converted to q's dtype in registers, the key scales
+multiply the logits' columns and the value scales P's columns (`attend_block`), so the kernel moves
+about half the bytes of a 16-bit cache and never writes a dequantized copy.
 """
 from __future__ import annotations
 
@@ -58,12 +63,26 @@ def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
                            preferred_element_type=jnp.float32)
 
 
-def load_block(ref, slot, start, size: int, row_ok, head_dim: int):
+def load_block(ref, slot, start, size: int, row_ok, head_dim: int | None):
     """ref[slot, start:start+size, :], reading rows where row_ok is False and padded columns as 0.
 
     Masked loads keep the GPU inside the real array and turn whatever lies past a row's length
     (stale cache, interpret-mode NaN padding) into zeros, so 0 * garbage never reaches P @ V.
+    head_dim None: ref is a [S, T] row of scales and the block is [size].
     """
+    if head_dim is None:
+        idx, mask = (slot, pl.ds(start, size)), row_ok
+    else:
+        idx, mask = _tile_index_and_mask(ref, slot, start, size, row_ok, head_dim)
+    if mask is None:
+        return ref[idx]
+    if plgpu is None:  # interpret-only fallback: the interpreter pads arrays, so the read is in bounds
+        return jnp.where(mask, ref[idx], 0)
+    return plgpu.load(ref.at[idx], mask=mask, other=0.0)
+
+
+def _tile_index_and_mask(ref, slot, start, size: int, row_ok, head_dim: int):
+    """Index of a [size, Dp] K/V tile and its load mask (rows past the length, padded head columns), or None."""
     idx = (slot, pl.ds(start, size), slice(None))
     dp = ref.shape[-1]
     mask = None
@@ -72,11 +91,18 @@ def load_block(ref, slot, start, size: int, row_ok, head_dim: int):
     if head_dim != dp:
         col_ok = jnp.broadcast_to((jnp.arange(dp) < head_dim)[None, :], (size, dp))
         mask = col_ok if mask is None else mask & col_ok
-    if mask is None:
-        return ref[idx]
-    if plgpu is None:  # interpret-only fallback: the interpreter pads arrays, so the read is in bounds
-        return jnp.where(mask, ref[idx], 0)
-    return plgpu.load(ref.at[idx], mask=mask, other=0.0)
+    return idx, mask
+
+
+def load_kv(refs, slot, start, size: int, row_ok, head_dim: int, dtype):
+    """The K and V blocks [size, Dp] in `dtype`, with their scales [size] when refs holds scale refs too.
+
+    refs = (k_ref, v_ref) or (k_ref, v_ref, k_scale_ref, v_scale_ref); returns (k, v, k_scale, v_scale),
+    the scales None for a cache that is not quantized.
+    """
+    k, v = (load_block(r, slot, start, size, row_ok, head_dim).astype(dtype) for r in refs[:2])
+    scales = [load_block(r, slot, start, size, row_ok, None) for r in refs[2:]] or [None, None]
+    return k, v, *scales
 
 
 def init_carry(rows: int, dp: int):
@@ -86,22 +112,25 @@ def init_carry(rows: int, dp: int):
             jnp.zeros((rows,), jnp.float32))
 
 
-def attend_block(q, k, v, mask, carry, scale_log2: float):
+def attend_block(q, k, v, mask, carry, scale_log2: float, k_scale=None, v_scale=None):
     """One flash-attention step of q [rows, D] over a K/V block [bk, D]; mask [rows, bk] or None.
 
     Every processed block holds at least one visible key for each real row (blocks are walked from
     key 0 and stop at the last visible one), so the running max is finite after the first step and
-    masked logits contribute exp2(MASK - max) == 0.
+    masked logits contribute exp2(MASK - max) == 0. k_scale, v_scale [bk]: a quantized block's scales.
     """
     acc, m, l = carry
     s = dot_nt(q, k) * scale_log2
+    if k_scale is not None:
+        s = s * k_scale[None, :]
     if mask is not None:
         s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     alpha = jnp.exp2(m - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l = l * alpha + p.sum(axis=1)
-    acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
+    pv = p if v_scale is None else p * v_scale[None, :]
+    acc = acc * alpha[:, None] + dot_nn(pv.astype(v.dtype), v)
     return acc, m_new, l
 
 
@@ -110,12 +139,14 @@ def normalize(acc, l):
     return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
 
 
-def _decode_kernel(slots_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
-                   scale_log2: float, block_k: int, num_splits: int, head_dim: int):
-    """q_ref [Gp, Dp]; k_ref, v_ref [S_cache, T_pad, Dp] (this kv head); o_ref [Gp, Dp].
-
-    stat_refs = (m_ref, l_ref) [Gp] when split: o_ref then gets the unnormalized float32 partial.
+def _decode_kernel(slots_ref, lengths_ref, q_ref, *refs, scale_log2: float, block_k: int, num_splits: int,
+                   head_dim: int, quantized: bool):
+    """q_ref [Gp, Dp]; refs = k_ref, v_ref [S_cache, T_pad, Dp] (this kv head), then k/v scale refs
+    [S_cache, T_pad] when quantized, then o_ref [Gp, Dp] and, when split, (m_ref, l_ref) [Gp]: o_ref then
+    gets the unnormalized float32 partial.
     """
+    n_kv = 4 if quantized else 2
+    kv_refs, (o_ref, *stat_refs) = refs[:n_kv], refs[n_kv:]
     slot, length = slots_ref[0], lengths_ref[0]
     rows, dp = q_ref.shape
     n_blocks = pl.cdiv(length, block_k)
@@ -129,10 +160,9 @@ def _decode_kernel(slots_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, *stat_ref
         def step(i, carry):
             start = pl.multiple_of(i * block_k, block_k)
             row_ok = start + jnp.arange(block_k) < length if masked else None
-            k = load_block(k_ref, slot, start, block_k, row_ok, head_dim)
-            v = load_block(v_ref, slot, start, block_k, row_ok, head_dim)
+            k, v, k_scale, v_scale = load_kv(kv_refs, slot, start, block_k, row_ok, head_dim, q.dtype)
             mask = jnp.broadcast_to(row_ok[None, :], (rows, block_k)) if masked else None
-            return attend_block(q, k, v, mask, carry, scale_log2)
+            return attend_block(q, k, v, mask, carry, scale_log2, k_scale, v_scale)
         return step
 
     carry = lax.fori_loop(first, split_full, body(False), init_carry(rows, dp))
@@ -144,6 +174,27 @@ def _decode_kernel(slots_ref, lengths_ref, q_ref, k_ref, v_ref, o_ref, *stat_ref
         l_ref[...] = l
     else:
         o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
+
+
+def compute_dtype(q, k_cache):
+    """The kernels' product dtype: the cache's, or q's when the cache is quantized (1-byte values)."""
+    return q.dtype if jnp.dtype(k_cache.dtype).itemsize == 1 else k_cache.dtype
+
+
+def cache_operands(k_cache, v_cache, k_scale, v_scale, t_pad: int, dp: int, index_map):
+    """The cache arrays a kernel reads and their BlockSpecs: the whole [S_cache, T_pad, Dp] of one kv head
+    (index_map picks the head), plus the matching [S_cache, T_pad] scale rows of a quantized cache."""
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("k_scale and v_scale must be given together")
+    s_cache, kv_heads, t, _ = k_cache.shape
+    if k_scale is not None and (k_scale.shape != (s_cache, kv_heads, t) or v_scale.shape != k_scale.shape):
+        raise ValueError(f"scales must be [S, kv_heads, T] = {(s_cache, kv_heads, t)}, got {k_scale.shape}, "
+                         f"{v_scale.shape}")
+    tile = pl.BlockSpec((s_cache, None, t_pad, dp), index_map)
+    if k_scale is None:
+        return (k_cache, v_cache), (tile, tile)
+    row = pl.BlockSpec((s_cache, None, t_pad), lambda *ids: index_map(*ids)[:3])
+    return (k_cache, v_cache, k_scale, v_scale), (tile, tile, row, row)
 
 
 def _combine(o, m, l):
@@ -164,11 +215,12 @@ def num_splits_for(slots: int, kv_heads: int, n_blocks: int, cores: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "interpret", "num_splits"))
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=None, interpret=False,
-                     slots=None, num_splits=None):
+                     slots=None, num_splits=None, k_scale=None, v_scale=None):
     """[S, q_heads, D] attention of query row s over keys 0..lengths[s]-1 of cache row slots[s].
 
     q [S, q_heads, D]; k_cache, v_cache [S_cache, kv_heads, T, D]; lengths int32 [S] (0 -> zeros);
-    slots int32 [S] or None (row s). num_splits overrides the split-K heuristic.
+    slots int32 [S] or None (row s). num_splits overrides the split-K heuristic. k_scale, v_scale
+    float32 [S_cache, kv_heads, T]: the cache is quantized (int8 / float8 values times these scales).
     """
     s, q_heads, d = q.shape
     s_cache, kv_heads, t, dk = k_cache.shape
@@ -190,11 +242,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=Non
     slots = jnp.arange(s) if slots is None else slots
     slots = jnp.clip(slots.astype(jnp.int32), 0, s_cache - 1)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
-    qg = q.astype(k_cache.dtype).reshape(s, kv_heads, g, d)
+    cache, specs = cache_operands(k_cache, v_cache, k_scale, v_scale, t_pad, dp, lambda i, h, j: (0, h, 0, 0))
+    qg = q.astype(compute_dtype(q, k_cache)).reshape(s, kv_heads, g, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, dp - d)))
 
     row_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))
-    cache_spec = pl.BlockSpec((s_cache, None, t_pad, dp), lambda i, h, j: (0, h, 0, 0))
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((s, kv_heads, gp, dp), q.dtype)
         out_specs = pl.BlockSpec((None, None, gp, dp), lambda i, h, j: (i, h, 0, 0))
@@ -206,18 +258,17 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=Non
                      pl.BlockSpec((None, None, None, gp), lambda i, h, j: (i, h, j, 0)),
                      pl.BlockSpec((None, None, None, gp), lambda i, h, j: (i, h, j, 0)))
     kernel = functools.partial(_decode_kernel, scale_log2=scale * _LOG2E, block_k=bk,
-                               num_splits=splits, head_dim=d)
+                               num_splits=splits, head_dim=d, quantized=k_scale is not None)
     out = pl.pallas_call(
         kernel,
         grid=(s, kv_heads, splits),
         in_specs=[row_spec, row_spec,
-                  pl.BlockSpec((None, None, gp, dp), lambda i, h, j: (i, h, 0, 0)),
-                  cache_spec, cache_spec],
+                  pl.BlockSpec((None, None, gp, dp), lambda i, h, j: (i, h, 0, 0)), *specs],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=tuning.compiler_params(cfg["num_warps"], cfg["num_stages"]),
         interpret=interpret,
         name="pocketjax_decode_attention",
-    )(slots, lengths, qg, k_cache, v_cache)
+    )(slots, lengths, qg, *cache)
     o = out if splits == 1 else _combine(*out)
     return o[:, :, :g, :d].reshape(s, q_heads, d).astype(q.dtype)

@@ -5,6 +5,11 @@ HF/Qwen repeat_interleave convention), so K/V are never repeated. Logits and sof
 P is cast to V's dtype for the second matmul (as the kernels do), accumulating in float32.
 Block/interpret arguments are accepted and ignored. With `slots`, the cache rows are gathered first
 (a copy of the selected rows); pass slots=None when cache row s already belongs to query row s.
+
+A quantized cache (int8 / float8 values with float32 scales [S, kv_heads, T], one per token and head) is read
+as it is stored: values are converted to q's dtype (exact: |int8| <= 127 and float8 fit bfloat16's mantissa),
+the key scales multiply the logits' columns and the value scales multiply P's columns, so a dequantized
+copy of the cache never exists.
 """
 from __future__ import annotations
 
@@ -28,36 +33,51 @@ def _rows(cache: jax.Array, slots: jax.Array | None, n: int) -> jax.Array:
     return cache[:n] if slots is None else jnp.take(cache, slots, axis=0)
 
 
-def _attend(logits, mask, v, pv_spec):
-    """Masked float32 softmax then P @ V; a row with no visible key comes out as exact zeros."""
+def _compute_dtype(q, cache):
+    """The dtype of the attention products: the cache's, or q's when the cache is quantized."""
+    return q.dtype if jnp.dtype(cache.dtype).itemsize == 1 else cache.dtype
+
+
+def _attend(logits, mask, v, pv_spec, v_scale=None, dtype=None):
+    """Masked float32 softmax then P @ V; a row with no visible key comes out as exact zeros.
+
+    v_scale [.., T] (broadcast like P's last axis) rescales P's columns for a quantized V.
+    """
+    dtype = dtype or v.dtype
     logits = jnp.where(mask, logits, _MASK)
     p = jnp.where(mask, jnp.exp(logits - logits.max(axis=-1, keepdims=True)), 0.0)
     denom = p.sum(axis=-1)[..., None]
-    o = jnp.einsum(pv_spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32,
-                   precision=_precision(v.dtype))
+    pv = p if v_scale is None else p * v_scale
+    o = jnp.einsum(pv_spec, pv.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32,
+                   precision=_precision(dtype))
     return jnp.where(denom > 0, o / jnp.maximum(denom, 1e-30), 0.0)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_k", "interpret", "num_splits"))
 def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=None, interpret=False,
-                     slots=None, num_splits=None):
+                     slots=None, num_splits=None, k_scale=None, v_scale=None):
     """[S, q_heads, D] attention of each query row over the first lengths[s] keys of its cache row."""
     del block_k, interpret, num_splits
     s, q_heads, d = q.shape
     kv_heads, t = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    dtype = _compute_dtype(q, k_cache)
     k, v = _rows(k_cache, slots, s), _rows(v_cache, slots, s)
-    qg = q.reshape(s, kv_heads, q_heads // kv_heads, d)
-    logits = jnp.einsum("skgd,sktd->skgt", qg, k, preferred_element_type=jnp.float32,
-                        precision=_precision(q.dtype)) * scale
+    qg = q.reshape(s, kv_heads, q_heads // kv_heads, d).astype(dtype)
+    logits = jnp.einsum("skgd,sktd->skgt", qg, k.astype(dtype), preferred_element_type=jnp.float32,
+                        precision=_precision(dtype)) * scale
+    vs = None
+    if k_scale is not None:
+        logits = logits * _rows(k_scale, slots, s)[:, :, None, :]
+        vs = _rows(v_scale, slots, s)[:, :, None, :]
     mask = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, :]
-    o = _attend(logits, mask, v, "skgt,sktd->skgd")
+    o = _attend(logits, mask, v, "skgt,sktd->skgd", vs, dtype)
     return o.reshape(s, q_heads, d).astype(q.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "interpret"))
 def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, block_q=None,
-                      block_k=None, interpret=False, slots=None):
+                      block_k=None, interpret=False, slots=None, k_scale=None, v_scale=None):
     """[B, Tq, q_heads, D] causal attention of new tokens at starts[b] + i over their cache row.
 
     Rows i >= q_lengths[b] are padding and come out as zeros.
@@ -66,13 +86,18 @@ def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, 
     b, tq, q_heads, d = q.shape
     kv_heads, t = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    dtype = _compute_dtype(q, k_cache)
     k, v = _rows(k_cache, slots, b), _rows(v_cache, slots, b)
-    qg = q.reshape(b, tq, kv_heads, q_heads // kv_heads, d)
-    logits = jnp.einsum("bqkgd,bktd->bkgqt", qg, k, preferred_element_type=jnp.float32,
-                        precision=_precision(q.dtype)) * scale
+    qg = q.reshape(b, tq, kv_heads, q_heads // kv_heads, d).astype(dtype)
+    logits = jnp.einsum("bqkgd,bktd->bkgqt", qg, k.astype(dtype), preferred_element_type=jnp.float32,
+                        precision=_precision(dtype)) * scale
+    vs = None
+    if k_scale is not None:
+        logits = logits * _rows(k_scale, slots, b)[:, :, None, None, :]
+        vs = _rows(v_scale, slots, b)[:, :, None, None, :]
     row = jnp.arange(tq)[None, :]
     pos = starts[:, None] + row                                                 # [B, Tq]
     mask = ((jnp.arange(t)[None, None, :] <= pos[:, :, None])
             & (row < q_lengths[:, None])[:, :, None])                           # [B, Tq, T]
-    o = _attend(logits, mask[:, None, None], v, "bkgqt,bktd->bkgqd")
+    o = _attend(logits, mask[:, None, None], v, "bkgqt,bktd->bkgqd", vs, dtype)
     return o.transpose(0, 3, 1, 2, 4).reshape(b, tq, q_heads, d).astype(q.dtype)

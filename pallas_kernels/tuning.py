@@ -167,13 +167,13 @@ def _triton_available() -> bool:
     return True
 
 
-def resolve_attention_impl(requested: str, device: Any = None) -> tuple[str, str]:
+def resolve_attention_impl(requested: str, device: Any = None, kv_dtype: str | None = None) -> tuple[str, str]:
     """(implementation that will run, one-line reason) for a requested attention implementation.
 
     requested: "auto" | "xla" | "pallas" | "pallas_interpret". The result is "xla", "pallas" or
-    "pallas_interpret". Pallas runs only on CUDA GPUs with compute capability >= 8.0; elsewhere
-    "pallas" falls back to XLA with the reason in the second element (log it), so an engine config
-    never crashes on an older GPU.
+    "pallas_interpret". Pallas runs only on CUDA GPUs with compute capability >= 8.0 (>= 8.9 for a
+    float8 KV cache: Triton's e4m3 conversions need Ada/Hopper); elsewhere "pallas" falls back to XLA
+    with the reason in the second element (log it), so an engine config never crashes on an older GPU.
     """
     if requested not in IMPLS:
         from pocketjax.errors import ConfigError  # lazy: pocketjax may import this package
@@ -196,6 +196,9 @@ def resolve_attention_impl(requested: str, device: Any = None) -> tuple[str, str
     if cc < (8, 0):
         return "xla", (f"compute capability {cc[0]}.{cc[1]} < 8.0: Pallas Triton kernels are not "
                        "supported there (jax#26799), using XLA attention")
+    if kv_dtype is not None and kv_dtype.startswith("float8") and cc < (8, 9):
+        return "xla", (f"compute capability {cc[0]}.{cc[1]} < 8.9: Triton has no float8 e4m3 "
+                       "conversion there, using XLA attention for the float8 KV cache")
     if not _triton_available():
         return "xla", "this JAX has no Pallas Triton backend: XLA attention"
     return "pallas", (f"compute capability {cc[0]}.{cc[1]}: Pallas Triton kernels "

@@ -7,6 +7,8 @@ import logging
 import sys
 import time
 
+from .config import KV_DTYPES
+from .quant import MODES
 from .sampling import SamplingParams
 
 
@@ -17,6 +19,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"])
+    p.add_argument("--quantize", default=None, choices=sorted(MODES), help="weight-only quantization at load")
+    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="KV cache dtype (default: the model's)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +42,7 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 def make_llm(args: argparse.Namespace):
     from .llm import LLM
     return LLM(args.model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dtype=args.dtype,
-               tp=args.tp, attention_impl=args.attention)
+               tp=args.tp, attention_impl=args.attention, quantize=args.quantize, kv_dtype=args.kv_dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -91,7 +95,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from .model import load_model
     from .llm import DEFAULT_MODEL
     from .layers import resolve_impl
-    model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp)
+    model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp, quantize=args.quantize)
     c = model.config
     info = {
         "path": model.path, "model_type": c.model_type, "layers": c.num_layers, "hidden": c.hidden_size,
@@ -101,7 +105,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     }
     try:
         from .memory import plan_memory
-        info["memory_plan"] = plan_memory(c, tp=args.tp, dtype=str(model.dtype), slots=args.max_batch_size,
+        info["memory_plan"] = plan_memory(c, tp=args.tp, dtype=str(model.dtype), quantize=args.quantize,
+                                          kv_dtype=args.kv_dtype, slots=args.max_batch_size,
                                           max_seq_len=args.max_seq_len).as_dict()
     except ImportError:
         pass

@@ -17,6 +17,8 @@ from .errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")  # stored with per-token, per-kv-head float32 scales
+KV_DTYPES = DTYPES + QUANTIZED_KV_DTYPES
 ROPE_TYPES = ("default", "linear", "yarn")
 
 
@@ -255,9 +257,12 @@ class EngineConfig:
     attention_impl: str = "auto"
     min_kv_bucket: int = 128
     min_prefill_bucket: int = 16
+    kv_dtype: str | None = None  # None: the model's dtype; "int8" / "float8_e4m3fn": quantized with scales
 
     def validate(self) -> None:
         for name in ("max_batch_size", "max_seq_len", "prefill_chunk", "min_kv_bucket", "min_prefill_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype={self.kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")

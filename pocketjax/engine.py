@@ -144,12 +144,14 @@ class Engine:
     """
 
     def __init__(self, model: Model, max_batch_size: int = 8, max_seq_len: int = 2048, prefill_chunk: int = 512,
-                 attention_impl: str = "auto", seed: int = 0, config: EngineConfig | None = None):
+                 attention_impl: str = "auto", seed: int = 0, config: EngineConfig | None = None,
+                 kv_dtype: str | None = None):
         self.model = model
         self.config = config or EngineConfig(max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                             prefill_chunk=prefill_chunk, attention_impl=attention_impl)
+                                             prefill_chunk=prefill_chunk, attention_impl=attention_impl,
+                                             kv_dtype=kv_dtype)
         self.config.validate()
-        self.impl = resolve_impl(self.config.attention_impl)
+        self.impl = resolve_impl(self.config.attention_impl, self.config.kv_dtype)
         self.eos_ids = read_eos_ids(model)
         self.rng = np.random.default_rng(seed)
         self.cache: KVCache | None = None
@@ -177,7 +179,8 @@ class Engine:
             raise CapacityError(f"cannot reallocate slots while {len(self.slot_of)} are held")
         c = self.model.config
         self.cache = self.penalties = None  # drop the old cache before allocating the new one
-        shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, self.model.dtype)
+        kv_dtype = self.config.kv_dtype or jnp.dtype(self.model.dtype).name
+        shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, kv_dtype)
         if self.model.mesh is not None:  # created in its shards: the whole cache may not fit on one device
             self.cache = init_sharded_cache(self.model.mesh, *shape)
         else:

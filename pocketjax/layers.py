@@ -82,33 +82,43 @@ def qkv_projection(p: dict, config: ModelConfig, x: jax.Array, cos: jax.Array, s
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def resolve_impl(requested: str) -> str:
-    """The attention path that will run for `requested`; logs once which and why."""
-    impl, reason = resolve_attention_impl(requested)
+def resolve_impl(requested: str, kv_dtype: str | None = None) -> str:
+    """The attention path that will run for `requested` (and a KV cache of `kv_dtype`); logs once which and why."""
+    impl, reason = resolve_attention_impl(requested, kv_dtype=kv_dtype)
     log.info("pocketjax attention: %s (%s)", impl, reason)
     return impl
 
 
-def decode_attention(impl: str, q, k_cache, v_cache, lengths, slots=None, kv_len: int | None = None):
-    """One query token per slot over one layer's cache [S, Hkv, T, D], through the chosen implementation.
+def split_kv(kv: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, dict]:
+    """(k, v) or (k, v, k_scale, v_scale) -> k, v and the scale keywords of the kernels and references."""
+    k, v, *scales = kv
+    return k, v, dict(zip(("k_scale", "v_scale"), scales))
+
+
+def decode_attention(impl: str, q, kv: tuple[jax.Array, ...], lengths, slots=None, kv_len: int | None = None):
+    """One query token per slot over one layer's cache kv = (k, v[, k_scale, v_scale]), k/v [S, Hkv, T, D].
 
     The XLA path reads only the first `kv_len` positions (a static bucket); the kernels skip blocks by length.
     On a sharded cache the kernels run per device on local heads (shard_map; XLA partitions the XLA path).
     """
     if impl == "xla":
-        k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-        return reference.decode_attention(q, k_cache, v_cache, lengths, slots=slots)
-    def kernel(q, k, v, lengths, slots):
-        return pallas_kernels.decode_attention(q, k, v, lengths, slots=slots, interpret=impl == "pallas_interpret")
-    return attention_over_heads(kernel, q, k_cache, v_cache, lengths, slots)
+        k, v, scales = split_kv(tuple(a[:, :, :kv_len] for a in kv))
+        return reference.decode_attention(q, k, v, lengths, slots=slots, **scales)
+    def kernel(q, kv, lengths, slots):
+        k, v, scales = split_kv(kv)
+        return pallas_kernels.decode_attention(q, k, v, lengths, slots=slots, interpret=impl == "pallas_interpret",
+                                               **scales)
+    return attention_over_heads(kernel, q, kv, lengths, slots)
 
 
-def prefill_attention(impl: str, q, k_cache, v_cache, starts, q_lengths, slots=None, kv_len: int | None = None):
+def prefill_attention(impl: str, q, kv: tuple[jax.Array, ...], starts, q_lengths, slots=None,
+                      kv_len: int | None = None):
     """A chunk of new tokens per row after a cached prefix, causal, through the chosen implementation."""
     if impl == "xla":
-        k_cache, v_cache = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
-        return reference.prefill_attention(q, k_cache, v_cache, starts, q_lengths, slots=slots)
-    def kernel(q, k, v, starts, q_lengths, slots):
+        k, v, scales = split_kv(tuple(a[:, :, :kv_len] for a in kv))
+        return reference.prefill_attention(q, k, v, starts, q_lengths, slots=slots, **scales)
+    def kernel(q, kv, starts, q_lengths, slots):
+        k, v, scales = split_kv(kv)
         return pallas_kernels.prefill_attention(q, k, v, starts, q_lengths, slots=slots,
-                                                interpret=impl == "pallas_interpret")
-    return attention_over_heads(kernel, q, k_cache, v_cache, starts, q_lengths, slots)
+                                                interpret=impl == "pallas_interpret", **scales)
+    return attention_over_heads(kernel, q, kv, starts, q_lengths, slots)

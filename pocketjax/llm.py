@@ -18,21 +18,25 @@ DEFAULT_MODEL = Path(__file__).parent / "assets" / "pocket-coder"
 class LLM:
     """Load a checkpoint folder (default: the embedded model) and serve prompts through continuous batching.
 
+    `quantize` ("int8", "int4", "+head" variants) quantizes weights at load; `kv_dtype` ("int8", "float8_e4m3fn")
+    quantizes the KV cache (about half the bytes of a 16-bit cache, so twice the slots or context per GiB).
+
     Prompts are strings (tokenized with the checkpoint's tokenizer.json) or token-id lists. The scheduler runs on
     a background thread from the first request until `close()` (or the end of a `with` block).
     """
 
     def __init__(self, model: str | Path | Model | None = None, max_batch_size: int = 8, max_seq_len: int = 2048,
                  dtype: str | None = None, tp: int = 1, attention_impl: str = "auto", prefill_chunk: int = 512,
-                 seed: int = 0, tokenizer: Tokenizer | None = None):
+                 seed: int = 0, tokenizer: Tokenizer | None = None, quantize: str | None = None,
+                 kv_dtype: str | None = None):
         if not isinstance(model, Model):
-            model = load_model(model or DEFAULT_MODEL, dtype=dtype, tp=tp)
+            model = load_model(model or DEFAULT_MODEL, dtype=dtype, tp=tp, quantize=quantize)
         self.model = model
         self.tokenizer = tokenizer
         if self.tokenizer is None and model.path and (Path(model.path) / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_folder(model.path)
         self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                             prefill_chunk=prefill_chunk, attention_impl=attention_impl, seed=seed)
+                             prefill_chunk=prefill_chunk, attention_impl=attention_impl, seed=seed, kv_dtype=kv_dtype)
         self.scheduler = Scheduler(self.engine, max_waiting=1 << 20, tokenizer=self.tokenizer)  # generate() queues all
         self.started = False
 

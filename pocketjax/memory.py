@@ -27,11 +27,10 @@ import numpy as np
 
 from . import quant
 from .checkpoint import LAYER_TENSORS, expected_shapes
-from .config import DTYPES, ModelConfig
+from .config import DTYPES, KV_DTYPES, QUANTIZED_KV_DTYPES, ModelConfig
 from .errors import ConfigError
 
 GiB = 1024**3
-KV_DTYPES = DTYPES + ("int8",)
 ATTENTION = ("pallas", "xla")
 
 
@@ -62,7 +61,7 @@ def gib(n: int) -> str:
 
 
 def itemsize(dtype: str) -> int:
-    return 1 if dtype == "int8" else np.dtype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype).itemsize
+    return np.dtype(getattr(ml_dtypes, dtype, dtype)).itemsize
 
 
 def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "float16", quantize: str | None = None,
@@ -112,7 +111,7 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     mlp_local = config.intermediate_size // tp if config.intermediate_size % tp == 0 else config.intermediate_size
     kv_bytes = itemsize(kv_dtype)
     positions = 2 * config.num_layers * slots * kv_local * max_seq_len
-    kv = {"values": positions * d * kv_bytes, "scales": positions * 4 if kv_dtype == "int8" else 0,
+    kv = {"values": positions * d * kv_bytes, "scales": positions * 4 if kv_dtype in QUANTIZED_KV_DTYPES else 0,
           "lengths": slots * 4}
 
     tokens = slots * prefill_chunk

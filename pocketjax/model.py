@@ -11,7 +11,7 @@ buffer be updated in place.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -22,9 +22,9 @@ import numpy as np
 
 from . import layers, quant
 from .checkpoint import load_params
-from .config import DTYPES, ModelConfig
+from .config import DTYPES, KV_DTYPES, ModelConfig
 from .errors import ConfigError, RequestError
-from .kv_cache import KVCache, write_tokens
+from .kv_cache import QMAX, KVCache, dequantize, quantize
 
 Params = dict[str, Any]
 # attend(layer index, q [B,T,Hq,D], k, v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state)
@@ -65,16 +65,21 @@ def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     return layers.linear(hidden, params.get("lm_head", params["embed"])).astype(jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("config",))
-def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """float32 logits [B, T, vocab] of a full causal forward over tokens [B, T], no cache."""
+@partial(jax.jit, static_argnames=("config", "kv_dtype"))
+def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dtype: str | None = None) -> jax.Array:
+    """float32 logits [B, T, vocab] of a full causal forward over tokens [B, T], no cache.
+
+    kv_dtype "int8" / "float8_e4m3fn" rounds K and V as a quantized cache stores them (scoring its accuracy cost).
+    """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     zeros, full = jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32)
 
     def attend(i, q, k, v, state):
+        if kv_dtype in QMAX:
+            k, v = (dequantize(*quantize(x, kv_dtype), x.dtype) for x in (k, v))
         kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        return layers.prefill_attention("xla", q, kt, vt, zeros, full), state
+        return layers.prefill_attention("xla", q, (kt, vt), zeros, full), state
 
     hidden, _ = run_layers(params, config, tokens, positions, attend, None)
     return lm_head(params, hidden)
@@ -93,17 +98,15 @@ def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int,
     positions = starts[:, None] + offsets
     write_at = jnp.where(offsets < lengths[:, None], positions, cache.max_seq_len)
 
-    def attend(i, q, k, v, kv):
-        ks, vs = kv
-        ks = ks[:i] + (write_tokens(ks[i], slots, write_at, k),) + ks[i + 1:]
-        vs = vs[:i] + (write_tokens(vs[i], slots, write_at, v),) + vs[i + 1:]
-        out = layers.prefill_attention(impl, q, ks[i], vs[i], starts, lengths, slots=slots, kv_len=kv_len)
-        return out, (ks, vs)
+    def attend(i, q, k, v, cache):
+        cache = cache.write(i, slots, write_at, k, v)
+        out = layers.prefill_attention(impl, q, cache.layer(i), starts, lengths, slots=slots, kv_len=kv_len)
+        return out, cache
 
-    hidden, (ks, vs) = run_layers(params, config, tokens, positions, attend, (cache.k, cache.v))
+    hidden, cache = run_layers(params, config, tokens, positions, attend, cache)
     last = hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     new_lengths = cache.lengths.at[jnp.where(lengths > 0, slots, cache.num_slots)].set(starts + lengths, mode="drop")
-    return KVCache(ks, vs, new_lengths), lm_head(params, last)
+    return replace(cache, lengths=new_lengths), lm_head(params, last)
 
 
 def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, cache: KVCache,
@@ -117,17 +120,15 @@ def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, 
     write_at = jnp.where(active, positions, cache.max_seq_len)[:, None]
     lengths = jnp.where(active, positions + 1, 0)
 
-    def attend(i, q, k, v, kv):
-        ks, vs = kv
-        ks = ks[:i] + (write_tokens(ks[i], slots, write_at, k),) + ks[i + 1:]
-        vs = vs[:i] + (write_tokens(vs[i], slots, write_at, v),) + vs[i + 1:]
-        out = layers.decode_attention(impl, q[:, 0], ks[i], vs[i], lengths, slots=None if dense else slots,
+    def attend(i, q, k, v, cache):
+        cache = cache.write(i, slots, write_at, k, v)
+        out = layers.decode_attention(impl, q[:, 0], cache.layer(i), lengths, slots=None if dense else slots,
                                       kv_len=kv_len)
-        return out[:, None], (ks, vs)
+        return out[:, None], cache
 
-    hidden, (ks, vs) = run_layers(params, config, tokens[:, None], positions[:, None], attend, (cache.k, cache.v))
+    hidden, cache = run_layers(params, config, tokens[:, None], positions[:, None], attend, cache)
     new_lengths = cache.lengths.at[jnp.where(active, slots, cache.num_slots)].set(lengths, mode="drop")
-    return KVCache(ks, vs, new_lengths), lm_head(params, hidden[:, 0])
+    return replace(cache, lengths=new_lengths), lm_head(params, hidden[:, 0])
 
 
 def load_model(path: str, dtype: str | None = None, tp: int = 1, quantize: str | None = None,
@@ -161,8 +162,11 @@ def load_model(path: str, dtype: str | None = None, tp: int = 1, quantize: str |
     return Model(config=config, params=params, mesh=mesh, path=str(folder))
 
 
-def logits(model: Model, tokens) -> jax.Array:
-    """float32 logits [B, T, vocab] for int tokens [B, T] (or [T]): a full causal forward without cache."""
+def logits(model: Model, tokens, kv_dtype: str | None = None) -> jax.Array:
+    """float32 logits [B, T, vocab] for int tokens [B, T] (or [T]): a full causal forward without cache.
+
+    kv_dtype: score with K/V rounded as a cache of that dtype stores them ("int8", "float8_e4m3fn").
+    """
     tokens = jnp.asarray(tokens, dtype=jnp.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]
@@ -171,4 +175,6 @@ def logits(model: Model, tokens) -> jax.Array:
     vocab = model.config.vocab_size
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
         raise RequestError(f"token ids must lie in [0, {vocab}), got range [{int(tokens.min())}, {int(tokens.max())}]")
-    return forward_logits(model.params, model.config, tokens)
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype={kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
+    return forward_logits(model.params, model.config, tokens, kv_dtype)

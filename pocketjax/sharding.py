@@ -50,7 +50,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
 from .errors import ConfigError
-from .kv_cache import KVCache, init_cache
+from .kv_cache import QMAX, KVCache, init_cache
 from .quant import QUANTIZED
 
 TP, DP = "tp", "dp"
@@ -138,18 +138,19 @@ def cache_spec(kv_heads: int, mesh) -> P:
     return P(slots, heads)
 
 
-def cache_shardings(mesh: Mesh, num_layers: int, slots: int, kv_heads: int) -> KVCache:
-    """A KVCache of NamedShardings: k/v per `cache_spec`, lengths along the slot axis."""
+def cache_shardings(mesh: Mesh, num_layers: int, slots: int, kv_heads: int, quantized: bool = False) -> KVCache:
+    """A KVCache of NamedShardings: k/v (and their scales) per `cache_spec`, lengths along the slot axis."""
     if DP in mesh.axis_names and slots % mesh.shape[DP]:
         raise ConfigError(f"{slots} slots cannot be split over dp={mesh.shape[DP]} replicas")
-    layer = NamedSharding(mesh, cache_spec(kv_heads, mesh))
+    layer = NamedSharding(mesh, cache_spec(kv_heads, mesh))  # a prefix spec: also fits the [S, kv_heads, T] scales
     lengths = NamedSharding(mesh, P(DP) if DP in mesh.axis_names else P())
-    return KVCache(k=(layer,) * num_layers, v=(layer,) * num_layers, lengths=lengths)
+    scales = (layer,) * num_layers if quantized else ()
+    return KVCache(k=(layer,) * num_layers, v=(layer,) * num_layers, lengths=lengths, k_scale=scales, v_scale=scales)
 
 
 def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
     """The cache placed on the mesh per `cache_shardings` (the donated steps keep it there)."""
-    shardings = cache_shardings(mesh, len(cache.k), cache.num_slots, cache.k[0].shape[1])
+    shardings = cache_shardings(mesh, len(cache.k), cache.num_slots, cache.k[0].shape[1], cache.quantized)
     return jax.device_put(cache, shardings)
 
 
@@ -157,7 +158,7 @@ def init_sharded_cache(mesh: Mesh, num_layers: int, slots: int, kv_heads: int, m
                        dtype) -> KVCache:
     """A zeroed cache created directly in its shards: unlike shard_cache(init_cache(...)), no device ever holds
     the whole cache (which may not fit on one device: that is why it is sharded)."""
-    shardings = cache_shardings(mesh, num_layers, slots, kv_heads)
+    shardings = cache_shardings(mesh, num_layers, slots, kv_heads, jnp.dtype(dtype).name in QMAX)
     create = jax.jit(init_cache, static_argnums=range(6), out_shardings=shardings)
     return create(num_layers, slots, kv_heads, max_seq_len, head_dim, jnp.dtype(dtype))
 
@@ -189,31 +190,32 @@ def kernel_mesh(cache: jax.Array):
     return None if mesh.empty or mesh_tp(mesh) == 1 else mesh
 
 
-def attention_over_heads(kernel: Callable, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *rows) -> jax.Array:
-    """kernel(q, k_cache, v_cache, *rows) run per device on its own query heads, under shard_map when sharded.
+def attention_over_heads(kernel: Callable, q: jax.Array, kv: tuple[jax.Array, ...], *rows) -> jax.Array:
+    """kernel(q, kv, *rows) run per device on its own query heads, under shard_map when sharded.
 
-    q [..., q_heads, D] is split on heads over "tp"; the caches [S, kv_heads, T, D] on kv heads when tp divides
-    them, else they are replicated and each device attends with the one kv head its query heads share (when
-    kv_heads > 1, by placing its queries in that head's group of a zero query tensor: kv_heads x the work of
-    one head, none of the cache copied). Row arrays (lengths, starts, slots; None allowed) are replicated.
+    q [..., q_heads, D] is split on heads over "tp"; the cache arrays kv (k, v [S, kv_heads, T, D] and, when
+    quantized, their scales [S, kv_heads, T]) on kv heads when tp divides them, else they are replicated and each
+    device attends with the one kv head its query heads share (when kv_heads > 1, by placing its queries in that
+    head's group of a zero query tensor: kv_heads x the work of one head, none of the cache copied). Row arrays
+    (lengths, starts, slots; None allowed) are replicated.
     Only "tp" is manual: a "dp" axis stays automatic, so XLA keeps the slot axis wherever it lives.
     """
-    mesh = kernel_mesh(k_cache)
+    mesh = kernel_mesh(kv[0])
     if mesh is None:
-        return kernel(q, k_cache, v_cache, *rows)
-    tp, kv_heads, axis = mesh_tp(mesh), k_cache.shape[1], q.ndim - 2
+        return kernel(q, kv, *rows)
+    tp, kv_heads, axis = mesh_tp(mesh), kv[0].shape[1], q.ndim - 2
     heads = P(*([None] * axis), TP)
     replicated_kv = kv_heads % tp != 0
 
-    def local(q, k, v, *rows):
+    def local(q, kv, *rows):
         if not replicated_kv or kv_heads == 1:
-            return kernel(q, k, v, *rows)
+            return kernel(q, kv, *rows)
         group = q.shape[axis]  # this device's query heads, all in kv head `h`
         h = jax.lax.axis_index(TP) * kv_heads // tp
         full = jnp.zeros(q.shape[:axis] + (kv_heads * group,) + q.shape[axis + 1:], q.dtype)
-        out = kernel(jax.lax.dynamic_update_slice_in_dim(full, q, h * group, axis), k, v, *rows)
+        out = kernel(jax.lax.dynamic_update_slice_in_dim(full, q, h * group, axis), kv, *rows)
         return jax.lax.dynamic_slice_in_dim(out, h * group, group, axis)
 
     cache = P() if replicated_kv else P(None, TP)
-    return jax.shard_map(local, mesh=mesh, in_specs=(heads, cache, cache) + (P(),) * len(rows), out_specs=heads,
-                         axis_names={TP}, check_vma=False)(q, k_cache, v_cache, *rows)
+    return jax.shard_map(local, mesh=mesh, in_specs=(heads, cache) + (P(),) * len(rows), out_specs=heads,
+                         axis_names={TP}, check_vma=False)(q, kv, *rows)

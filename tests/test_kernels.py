@@ -213,19 +213,22 @@ def test_decode_matches_jax_gqa_kernel():
 
 @pytest.mark.skipif(tuple(int(x) for x in jaxlib.__version__.split(".")[:3]) > (0, 10, 2),
                     reason="newer jaxlibs compile Triton to PTX while lowering, which needs CUDA")
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_kernels_lower_to_triton(dtype):
+@pytest.mark.parametrize("dtype, kv_dtype", [(jnp.bfloat16, None), (jnp.float32, None), (jnp.bfloat16, jnp.int8),
+                                             (jnp.bfloat16, jnp.float8_e4m3fn)])
+def test_kernels_lower_to_triton(dtype, kv_dtype):
     """Cross-lower for CUDA on any host: catches non-power-of-2 tensors, primitives Triton lacks, and
-    loops that do not become scf.for, without a GPU."""
+    loops that do not become scf.for, without a GPU. kv_dtype: a quantized cache with its scales."""
     q = jax.ShapeDtypeStruct((4, 28, 80), dtype)
-    cache = jax.ShapeDtypeStruct((6, 4, 300, 80), dtype)
+    cache = jax.ShapeDtypeStruct((6, 4, 300, 80), kv_dtype or dtype)
+    scale = jax.ShapeDtypeStruct((6, 4, 300), jnp.float32)
+    scales = dict(k_scale=scale, v_scale=scale) if kv_dtype else {}
     rows = jax.ShapeDtypeStruct((4,), jnp.int32)
     decode = functools.partial(pallas_kernels.decode_attention, num_splits=2, block_k=64)
     prefill = functools.partial(pallas_kernels.prefill_attention, block_q=4)
     lowered = [
-        jax.jit(decode).trace(q, cache, cache, rows, slots=rows).lower(lowering_platforms=("cuda",)),
+        jax.jit(decode).trace(q, cache, cache, rows, slots=rows, **scales).lower(lowering_platforms=("cuda",)),
         jax.jit(prefill).trace(jax.ShapeDtypeStruct((4, 50, 28, 80), dtype), cache, cache, rows, rows,
-                               slots=rows).lower(lowering_platforms=("cuda",)),
+                               slots=rows, **scales).lower(lowering_platforms=("cuda",)),
     ]
     for low in lowered:
         assert "triton" in low.as_text()
@@ -268,6 +271,10 @@ def test_resolve_attention_impl():
     assert impl == "xla" and "8.0" in reason
     assert tuning.resolve_attention_impl("auto", FakeDevice("9.0"))[0] == "pallas"
     assert tuning.resolve_attention_impl("auto", FakeDevice("8.6"))[0] == "pallas"
+    assert tuning.resolve_attention_impl("auto", FakeDevice("8.6"), kv_dtype="int8")[0] == "pallas"
+    impl, reason = tuning.resolve_attention_impl("pallas", FakeDevice("8.6"), kv_dtype="float8_e4m3fn")
+    assert impl == "xla" and "8.9" in reason
+    assert tuning.resolve_attention_impl("auto", FakeDevice("9.0"), kv_dtype="float8_e4m3fn")[0] == "pallas"
     assert tuning.target(FakeDevice("7.5")) == "sm75" and tuning.target(FakeDevice("8.9")) == "sm86"
     with pytest.raises(ConfigError):
         tuning.resolve_attention_impl("flash")
@@ -280,3 +287,36 @@ def test_num_splits_heuristic():
     assert num_splits_for(32, 8, 256, 132) == 2
     assert num_splits_for(1, 8, 8, 132) == 2
     assert num_splits_for(4, 8, 256, 0) == 1
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernels_read_a_quantized_cache_like_its_dequantized_copy(kv_dtype, dtype):
+    """int8 / float8 values + per-token, per-head scales, read in place (decode 1 and 2 splits, prefill, and the
+    XLA reference path) == the reference over a float32 dequantized copy, which no implementation builds."""
+    from pocketjax.kv_cache import dequantize, quantize
+
+    rng = _rng("quantized", kv_dtype, dtype)
+    s, q_heads, kv_heads, t, d = 3, 8, 2, 64, 128
+    (kq, ks), (vq, vs) = (quantize(_array(rng, (s, kv_heads, t, d), jnp.float32), kv_dtype) for _ in range(2))
+    kd, vd = dequantize(kq, ks), dequantize(vq, vs)
+    q, qp = _array(rng, (s, q_heads, d), dtype), _array(rng, (s, 24, q_heads, d), dtype)
+    lengths, slots = jnp.array([5, 64, 33], jnp.int32), jnp.array([2, 0, 1], jnp.int32)
+    starts, q_lengths = jnp.array([0, 20, 40], jnp.int32), jnp.array([24, 17, 3], jnp.int32)
+    want_d = _f64(reference.decode_attention(q.astype(jnp.float32), kd, vd, lengths, slots=slots))
+    want_p = _f64(reference.prefill_attention(qp.astype(jnp.float32), kd, vd, starts, q_lengths, slots=slots))
+    scales = dict(k_scale=ks, v_scale=vs, slots=slots)
+    got = {
+        "reference decode": reference.decode_attention(q, kq, vq, lengths, **scales),
+        "reference prefill": reference.prefill_attention(qp, kq, vq, starts, q_lengths, **scales),
+        "decode": _run(pallas_kernels.decode_attention, q, kq, vq, lengths, block_k=16, num_splits=1, **scales),
+        "decode split": _run(pallas_kernels.decode_attention, q, kq, vq, lengths, block_k=16, num_splits=2,
+                             **scales),
+        "prefill": _run(pallas_kernels.prefill_attention, qp, kq, vq, starts, q_lengths, block_q=8, block_k=16,
+                        **scales),
+    }
+    for name, out in got.items():
+        want = want_p if "prefill" in name else want_d
+        assert out.dtype == dtype, name
+        err = np.abs(_f64(out) - want).max() / np.abs(want).max()
+        assert err <= TOL[dtype], (name, err)

@@ -205,14 +205,14 @@ kr, vr = put(k, P()), put(v, P())
 q = rng.standard_normal((S, HQ, D)).astype(np.float32)
 lengths = np.array([7, 30], np.int32)
 decode = jax.jit(lambda q, k, v, n: sharding.attention_over_heads(
-    lambda *a: reference.decode_attention(*a[:4], slots=a[4]), q, k, v, n, None))
+    lambda q, kv, n, s: reference.decode_attention(q, *kv, n, slots=s), q, (k, v), n, None))
 got, want = decode(put(q, P(None, "tp")), kr, vr, lengths), reference.decode_attention(q, k, v, lengths)
 assert got.sharding.spec == P(None, "tp"), got.sharding
 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 qp = rng.standard_normal((S, 8, HQ, D)).astype(np.float32)
 starts, qlen = np.array([3, 20], np.int32), np.array([8, 5], np.int32)
 prefill = jax.jit(lambda q, k, v, s, n: sharding.attention_over_heads(
-    lambda *a: reference.prefill_attention(*a[:5], slots=a[5]), q, k, v, s, n, None))
+    lambda q, kv, s, n, rows: reference.prefill_attention(q, *kv, s, n, slots=rows), q, (k, v), s, n, None))
 got = prefill(put(qp, P(None, None, "tp")), kr, vr, starts, qlen)
 np.testing.assert_allclose(np.asarray(got), np.asarray(reference.prefill_attention(qp, k, v, starts, qlen)),
                            rtol=1e-5, atol=1e-5)
