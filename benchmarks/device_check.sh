@@ -63,8 +63,11 @@ for name in [n for n in dir(t) if n.startswith("test_")]:
     fn = getattr(t, name)
     if getattr(fn, "_skip", False):
         continue
-    params = getattr(fn, "_params", [])
-    calls = [{}] if not params else [{params[0][0]: v} for v in params[0][1]]
+    calls = [{}]
+    for names, values in getattr(fn, "_params", []):  # every combination, "a, b" names taking tuples
+        names = [n.strip() for n in names.split(",")]
+        values = [v if len(names) > 1 else (v,) for v in values]
+        calls = [{**c, **dict(zip(names, v))} for c in calls for v in values]
     for kw in calls:
         try:
             fn(**kw); passed += 1

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import decode_attention, prefill_attention, reference, tuning
+from pocketjax.kv_cache import quantize
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -65,7 +66,11 @@ def _decode_impls(interpret: bool, kv_heads: int, t: int):
 
     pallas = functools.partial(decode_attention, interpret=interpret)
     return {"pallas": (jax.jit(pallas), False), "xla": (jax.jit(reference.decode_attention), False),
-            "jax_gqa": (jax.jit(jax_gqa), True)}
+            "jax_gqa": (jax.jit(jax_gqa), True),
+            # the same over an int8 cache + float32 per-token, per-head scales (Engine(kv_dtype="int8"))
+            "pallas_int8": (jax.jit(lambda q, k, v, n, ks, vs: pallas(q, k, v, n, k_scale=ks, v_scale=vs)), False),
+            "xla_int8": (jax.jit(lambda q, k, v, n, ks, vs: reference.decode_attention(q, k, v, n, k_scale=ks,
+                                                                                      v_scale=vs)), False)}
 
 
 def bench_decode(s, t, q_heads, kv_heads, d, dtype, impls, interpret, repeats, peak_bw):
@@ -73,15 +78,19 @@ def bench_decode(s, t, q_heads, kv_heads, d, dtype, impls, interpret, repeats, p
     k = _normal(1, (s, kv_heads, t, d), dtype)
     v = _normal(2, (s, kv_heads, t, d), dtype)
     lengths = jnp.full((s,), t, jnp.int32)
-    kv_bytes = 2 * k.size * k.dtype.itemsize
+    (kq, ks), (vq, vs) = quantize(k, "int8"), quantize(v, "int8")
     rows = []
     for name, (fn, wants_bthd) in _decode_impls(interpret, kv_heads, t).items():
         if name not in impls:
             continue
         args = (q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)) if wants_bthd else (q, k, v)
-        row = dict(kind="decode", impl=name, slots=s, seq=t, interpret=interpret and name != "xla")
+        extra = ()
+        if name.endswith("_int8"):
+            args, extra = (q, kq, vq), (ks, vs)
+        kv_bytes = sum(a.size * a.dtype.itemsize for a in args[1:] + extra)
+        row = dict(kind="decode", impl=name, slots=s, seq=t, interpret=interpret and not name.startswith("xla"))
         try:
-            sec = _time(fn, *args, lengths, repeats=repeats)
+            sec = _time(fn, *args, lengths, *extra, repeats=repeats)
             row.update(ms=sec * 1e3, gbps=kv_bytes / sec / 1e9, pct_peak=100 * kv_bytes / sec / peak_bw)
         except Exception as e:  # one failing implementation must not hide the others' numbers
             row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
@@ -131,7 +140,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU, smoke runs)")
     parser.add_argument("--json", help="write results to this path")
-    parser.add_argument("--impls", default="pallas,xla,jax_gqa")
+    parser.add_argument("--impls", default="pallas,xla,jax_gqa,pallas_int8,xla_int8")
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -166,7 +175,7 @@ def main() -> None:
         rows += bench_decode(s, t, q_heads, kv_heads, d, dtype, impls, interpret, repeats,
                              peaks["copy_gbps"] * 1e9)
     for tq in prefill_seqs:
-        rows += bench_prefill(tq, q_heads, kv_heads, d, dtype, impls - {"jax_gqa"}, interpret,
+        rows += bench_prefill(tq, q_heads, kv_heads, d, dtype, impls, interpret,
                               repeats, peaks["matmul_tflops"] * 1e12)
 
     meta = dict(jax=jax.__version__, python=platform.python_version(), target=target,
