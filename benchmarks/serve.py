@@ -1,17 +1,28 @@
 """Serve a Poisson stream of requests with the engine + FCFS scheduler, and with transformers' generate batched
 naively (static left-padded batches of whatever is pending), on the same random-weight checkpoint.
 
-Reports output throughput, time to first token and inter-token latency (p50/p99) for both, then the share of the
-scheduler loop's wall time spent on the host at 8 concurrent requests: everything but the time the loop sat
-blocked on device results. Prints a markdown table last; `--json PATH` writes every number. Never asserts on time.
+Reports output throughput, time to first token and inter-token latency (p50/p99) for both, then the host share of
+the scheduler loop at `--slots` (8) concurrent requests, pipelined and not:
+
+    D = seconds per decode step of the engine's jitted forward + sampler alone, chained back to back on device with
+        no host read (one block at the end): the step time if the host cost nothing;
+    W = wall seconds per step of the background scheduler loop (admission checks, dispatch, the token read, handle
+        delivery, streaming to asyncio readers) over the steps where all requests decode together;
+    host_share = (W - D) / W, the part of the loop's wall time the device could have been busy but was not: the
+        median over runs each paired with a D run just before it; host_share_best uses the fastest W and D instead
+        (load from other processes only adds time).
+
+Prints a markdown table last; `--json PATH` writes every number. Never asserts on time.
 
     PYTHONPATH=. python benchmarks/serve.py [--quick] [--json out/serve.json] [--rate 8] [--requests 48]
+    PYTHONPATH=. python benchmarks/serve.py --model qwen3-0.6b --no-stream   # host share alone, Qwen3-0.6B shapes
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -27,9 +38,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import pocketjax as pj  # noqa: E402
+from benchmarks.presets import PRESETS, build_preset  # noqa: E402
 from pocketjax.config import EngineConfig  # noqa: E402
-from pocketjax.engine import Engine  # noqa: E402
-from pocketjax.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine import Engine, bucket, decode_step, sample_next  # noqa: E402
+from pocketjax.sampling import SamplingParams, pack_sampling  # noqa: E402
 from pocketjax.scheduler import Scheduler  # noqa: E402
 
 # A bigger sibling of the tests' tiny Qwen3 so the device step, not Python, dominates a step (it still runs on CPU).
@@ -86,47 +98,63 @@ def summarize(system: str, traces: list[Trace], extra: dict | None = None) -> di
             "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99), **(extra or {})}
 
 
-# ---- pocketjax -------------------------------------------------------------------------------------------------
-class StepClock:
-    """Wraps one engine's and one scheduler's methods (on the instances) to split the loop's time three ways:
-    inside scheduler.step, inside the engine's device calls, and blocked on device results."""
+# ---- pocketjax ----------------------------------------------------------------------------------------------
+class LoopClock:
+    """Wraps a scheduler's step (on the instance) to time the loop: the wall time between consecutive step ends,
+    kept for the steps that began with `n` requests all decoding (each such step hands every one a token)."""
 
-    def __init__(self, sched: Scheduler):
-        self.step_s = self.engine_s = self.blocked_s = 0.0
-        self.steps = 0
-        engine = sched.engine
-        sched.step = self.timed(sched.step, "step_s")
-        engine.batch_prefill = self.timed(engine.batch_prefill, "engine_s")
-        engine.batch_decode_step = self.timed(engine.batch_decode_step, "engine_s")
-        deliver = engine._deliver
+    def __init__(self, sched: Scheduler, n: int):
+        self.intervals: list[float] = []
+        self.last: float | None = None
+        step = sched.step
 
-        def blocked_deliver(rows, out, results):
-            t0 = time.perf_counter()
-            jax.block_until_ready(out)
-            self.blocked_s += time.perf_counter() - t0
-            return deliver(rows, out, results)
-
-        engine._deliver = blocked_deliver
-
-    def timed(self, fn, attr: str):
-        def run(*args, **kwargs):
-            t0 = time.perf_counter()
+        def timed() -> bool:
+            full = len(sched.running) == n and all(h.request.last_token is not None and not h.request.finished
+                                                   for h in sched.running)
             try:
-                return fn(*args, **kwargs)
+                return step()
             finally:
-                setattr(self, attr, getattr(self, attr) + time.perf_counter() - t0)
-                self.steps += attr == "step_s"
-        return run
+                now = time.perf_counter()
+                if full and self.last is not None:
+                    self.intervals.append(now - self.last)
+                self.last = now
 
-    def reset(self) -> None:
-        self.step_s = self.engine_s = self.blocked_s = 0.0
-        self.steps = 0
+        sched.step = timed
 
-    def report(self) -> dict:
-        busy = max(self.step_s, 1e-9)
-        return {"steps": self.steps, "step_ms": round(1e3 * busy / max(self.steps, 1), 3),
-                "scheduler_host_share": round((busy - self.engine_s) / busy, 4),
-                "host_share": round((busy - self.blocked_s) / busy, 4)}
+    def step_s(self) -> float:
+        return float(np.mean(self.intervals)) if self.intervals else float("nan")
+
+
+def device_step_s(scratch: Engine, positions: list[int], steps: int) -> float:
+    """Seconds per decode step when the device never waits on the host: the engine's jitted forward and sampler over
+    len(positions) rows, `steps` times back to back, each fed the previous step's tokens on device, one block at the
+    end. Rows start at `positions` (where the measured loop's requests are), so attention reads the same lengths.
+    `scratch` is an engine of the same configuration whose cache may be overwritten (same compiled executables)."""
+    model, n = scratch.model, len(positions)
+    rows = bucket(n, 1, scratch.num_slots)
+    dense = rows == scratch.num_slots
+    slots = np.arange(rows, dtype=np.int32) if dense else np.zeros(rows, np.int32)
+    slots[:n] = np.arange(n)
+    active = np.arange(rows) < n
+    start = np.zeros(rows, np.int32)
+    start[:n] = positions
+    sampling = pack_sampling([SamplingParams(temperature=0.0)] * rows, [0] * rows)
+
+    def step(tokens, k: int):
+        pos = np.where(active, start + k, 0).astype(np.int32)
+        scratch.cache, logits = decode_step(model.params, scratch.cache, tokens, slots, pos, active,
+                                            config=model.config, impl=scratch.impl,
+                                            kv_len=scratch._kv_bucket(int(pos.max()) + 1), dense=dense)
+        scratch.penalties, out = sample_next(scratch.penalties, logits, slots, active, np.full(rows, k, np.int32),
+                                             sampling, num_top=0)
+        return out.tokens
+
+    tokens = jax.block_until_ready(step(jax.block_until_ready(step(np.ones(rows, np.int32), 0)), 1))  # warm
+    t0 = time.perf_counter()
+    for k in range(2, 2 + steps):
+        tokens = step(tokens, k)
+    jax.block_until_ready(tokens)
+    return (time.perf_counter() - t0) / steps
 
 
 async def stream(sched: Scheduler, items: list[Item]) -> list[Trace]:
@@ -146,14 +174,15 @@ async def stream(sched: Scheduler, items: list[Item]) -> list[Trace]:
 
 
 def warm(sched: Scheduler) -> None:
-    """Compile every (rows, chunk width) bucket a stream can hit, stepping by hand."""
+    """Compile every (rows, chunk width) bucket a stream can hit, stepping by hand; three tokens per request, so
+    each batch bucket also runs a decode step fed on device."""
     cfg = sched.engine.config
     rows = 1
     while rows <= cfg.max_batch_size:
         width = cfg.min_prefill_bucket
         while width <= cfg.prefill_chunk:
             for i in range(rows):
-                sched.submit([i + 1] + [7] * (width - 1), SamplingParams(max_tokens=2, temperature=0.0,
+                sched.submit([i + 1] + [7] * (width - 1), SamplingParams(max_tokens=3, temperature=0.0,
                                                                           ignore_eos=True))
             while sched.step():
                 pass
@@ -161,23 +190,54 @@ def warm(sched: Scheduler) -> None:
         rows *= 2
 
 
-def run_pocketjax(model, items: list[Item], config: EngineConfig, concurrent_tokens: int) -> tuple[dict, dict]:
-    """The stream, then `slots` requests decoding together (the host-share figure); compiles before measuring."""
+def run_pocketjax(model, items: list[Item], config: EngineConfig, concurrent_tokens: int, with_stream: bool,
+                  repeats: int) -> list[dict]:
+    """The stream (pipelined loop), then `slots` requests decoding together through the loop, pipelined and not, each
+    run paired with a device-only run just before it, so load from other processes hits both alike; `repeats` pairs
+    per variant, interleaved. Each record keeps the median W, D and host share over its pairs."""
     engine = Engine(model, config=config)
-    sched = Scheduler(engine)
-    clock = StepClock(sched)
-    warm(sched)
+    records = []
+    if with_stream:
+        warm(Scheduler(engine))
+        with Scheduler(engine) as sched:
+            asyncio.run(stream(sched, items))  # a full unmeasured pass: any shape the sweep missed compiles here
+            compiled = engine.compiled_count()
+            traces = asyncio.run(stream(sched, items))
+        records.append(summarize("pocketjax", traces, {"recompiled": engine.compiled_count() - compiled}))
+    prompts = [item.prompt for item in items[:config.max_batch_size]]
+    closed = [Item(0.0, prompt, concurrent_tokens) for prompt in prompts]
+    scratch = Engine(model, config=config)
+    for pipeline in (True, False):  # compiles what this mix still needs (the steps fed on device, say)
+        loop_run(engine, closed, pipeline)
+    compiled = engine.compiled_count()
+    pairs: dict[bool, list] = {True: [], False: []}
+    for _ in range(repeats):
+        for pipeline, runs in pairs.items():
+            device_s = device_step_s(scratch, [len(p) + 2 for p in prompts], min(concurrent_tokens, 32))
+            runs.append((device_s, *loop_run(engine, closed, pipeline)))
+    for pipeline, runs in pairs.items():
+        shares = [(step_s - device_s) / step_s for device_s, step_s, _, _ in runs]
+        _, _, full_steps, traces = sorted(runs, key=lambda run: run[1])[len(runs) // 2]
+        name = f"pocketjax x{len(prompts)} {'pipelined' if pipeline else 'unpipelined'}"
+        step_s, device_s = float(np.median([r[1] for r in runs])), float(np.median([r[0] for r in runs]))
+        records.append(summarize(name, traces, {
+            "decode_tok_s": round(len(prompts) / step_s, 1), "step_ms": round(1e3 * step_s, 3),
+            "device_step_ms": round(1e3 * device_s, 3), "host_share": round(float(np.median(shares)), 4),
+            "host_share_best": round(1 - min(r[0] for r in runs) / min(r[1] for r in runs), 4),
+            "host_share_runs": [round(x, 4) for x in shares], "step_ms_runs": [round(1e3 * r[1], 3) for r in runs],
+            "device_step_ms_runs": [round(1e3 * r[0], 3) for r in runs], "full_steps": full_steps,
+            "recompiled": engine.compiled_count() - compiled}))
+    return records
+
+
+def loop_run(engine: Engine, closed: list[Item], pipeline: bool) -> tuple[float, int, list[Trace]]:
+    """The items at once through a background loop, streamed to asyncio readers: (W = mean wall seconds per step
+    while all of them decode together, how many such steps, the client traces)."""
+    sched = Scheduler(engine, pipeline=pipeline)
+    clock = LoopClock(sched, len(closed))
     with sched:
-        asyncio.run(stream(sched, items))  # a full unmeasured pass: any shape the sweep missed compiles here
-        compiled = engine.compiled_count()
-        clock.reset()
-        traces = asyncio.run(stream(sched, items))
-        record = summarize("pocketjax", traces, {**clock.report(), "recompiled": engine.compiled_count() - compiled})
-        closed = [Item(0.0, item.prompt, concurrent_tokens) for item in items[:config.max_batch_size]]
-        clock.reset()
         traces = asyncio.run(stream(sched, closed))
-        concurrent = summarize(f"pocketjax x{config.max_batch_size}", traces, clock.report())
-    return record, concurrent
+    return clock.step_s(), len(clock.intervals), traces
 
 
 # ---- transformers ----------------------------------------------------------------------------------------------
@@ -235,7 +295,7 @@ def run_transformers(folder: Path, items: list[Item], batch: int, threads: int) 
 # ---- main ------------------------------------------------------------------------------------------------------
 def table(records: list[dict]) -> str:
     cols = ["system", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-            "host_share", "scheduler_host_share"]
+            "decode_tok_s", "step_ms", "device_step_ms", "host_share", "host_share_best"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in records]
     return "\n".join(lines)
@@ -243,17 +303,24 @@ def table(records: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="HF checkpoint folder (default: a random-weight Qwen3 built here)")
+    parser.add_argument("--model", help=f"HF checkpoint folder or a preset ({', '.join(PRESETS)}; built once into "
+                                        "--cache-dir); default: a random-weight Qwen3 built here")
+    parser.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
+    parser.add_argument("--no-stream", action="store_true", help="skip the Poisson stream (and transformers): only "
+                                                                 "the host-share measurement")
     parser.add_argument("--quick", action="store_true", help="small model and stream: ~2 minutes on 2 CPU cores")
     parser.add_argument("--requests", type=int, help="requests in the stream (default 48, quick 24)")
     parser.add_argument("--rate", type=float, default=None, help="mean arrivals per second (default 8, quick 6)")
     parser.add_argument("--slots", type=int, default=8, help="engine slots = transformers batch = host-share concurrency")
+    parser.add_argument("--repeats", type=int, help="host-share runs per variant, interleaved (default 3, quick 5)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--peers", default="transformers", help="comma list; empty to skip transformers")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", help="write the records here")
     args = parser.parse_args()
+    load_start = os.getloadavg()
     size = "quick" if args.quick else "full"
+    repeats = args.repeats or (5 if args.quick else 3)
     prompts, outputs, max_seq_len, chunk, min_chunk = SHAPES[size]
     config = EngineConfig(max_batch_size=args.slots, max_seq_len=max_seq_len, prefill_chunk=chunk,
                           min_prefill_bucket=min_chunk)
@@ -261,17 +328,20 @@ def main() -> None:
     rate = args.rate if args.rate is not None else (6.0 if args.quick else 8.0)
 
     with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(args.model) if args.model else build_checkpoint(Path(tmp), size)
+        if args.model in PRESETS:
+            folder = build_preset(args.model, Path(args.cache_dir) / f"{args.model}-float32")
+        else:
+            folder = Path(args.model) if args.model else build_checkpoint(Path(tmp), size)
         model = pj.load_model(folder)
         items = workload(n, rate, prompts, outputs, model.config.vocab_size, args.seed)
-        record, concurrent = run_pocketjax(model, items, config, outputs[1])
-        records = [record, concurrent]
-        if "transformers" in args.peers.split(","):
+        records = run_pocketjax(model, items, config, outputs[1], not args.no_stream, repeats)
+        if "transformers" in args.peers.split(",") and not args.no_stream:
             records.append(run_transformers(folder, items, args.slots, args.torch_threads))
 
     machine = {"platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
                "device": str(jax.devices()[0]), "model": args.model or f"random qwen3 {MODEL[size]}",
-               "rate": rate, "requests": n, "slots": args.slots, "seed": args.seed}
+               "rate": rate, "requests": n, "slots": args.slots, "seed": args.seed, "repeats": repeats,
+               "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"machine": machine, "records": records}, indent=2))

@@ -54,6 +54,34 @@ class Completion:
     request_id: Any = None
 
 
+@dataclass(eq=False)
+class PendingDecode:
+    """A dispatched decode step whose sampled tokens are still on device until `Engine.decode_collect` reads them.
+
+    The next step can take its input tokens from `out` without a host round trip while the rows keep their order,
+    so the host work on one step's tokens overlaps the device work of the next.
+    """
+
+    requests: list[BatchedRequest]  # as given to decode_dispatch: the order of decode_collect's result
+    rows: list[BatchedRequest | None]  # row i's request; None: padding, or a request left out of this step
+    slots: np.ndarray
+    positions: np.ndarray
+    steps: np.ndarray  # index of the token each row generates (the sampler's key is (seed, step))
+    dense: bool
+    out: SampleOutput | None = None  # None when no row was active (nothing was dispatched) or once collected
+    previous: PendingDecode | None = None  # the uncollected step whose tokens fed this one
+    results: list[int | None] | None = None  # set by decode_collect
+
+    @property
+    def collected(self) -> bool:
+        return self.results is not None
+
+    def continues(self, requests: Sequence[BatchedRequest]) -> bool:
+        """True when every request has a row here, so a next step can read all its input tokens on device."""
+        held = {id(r) for r in self.rows if r is not None}
+        return all(id(r) in held for r in requests)
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Penalties:
@@ -321,19 +349,57 @@ class Engine:
             self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if final[i]], out, results)
 
     # ---- decode --------------------------------------------------------------------------------------------------
+    _inflight: PendingDecode | None = None  # the last dispatched decode step; a class default until the first one
+
     def batch_decode_step(self, requests: Sequence[BatchedRequest]) -> list[int | None]:
         """One device call that generates the next token of every unfinished request; None for the others."""
+        return self.decode_collect(self.decode_dispatch(requests))
+
+    def decode_dispatch(self, requests: Sequence[BatchedRequest]) -> PendingDecode:
+        """Queue one decode step for every unfinished request and return without waiting for its tokens.
+
+        If the last dispatched step is still uncollected and holds a row for each request, this step reads its input
+        tokens from that step's output on device, so it is queued before they reach the host; a request the token in
+        flight ends by length is left out, one it ends otherwise (a stop token, a stop string) costs one row whose
+        token `decode_collect` discards. Otherwise that step is collected first and this one is fed from the host.
+        """
         running = [r for r in requests if not r.finished]
         for req in running:
             self._slot(req)
             if req.last_token is None or req.num_prefilled < len(req.prompt_tokens):
                 raise RequestError(f"request {req.request_id!r} must be prefilled before decoding")
-        results: dict[int, int] = {}
-        if running:
-            self._decode_call(running, results)
-        return [results.get(id(r)) for r in requests]
+        previous = self._inflight if self._inflight is not None and not self._inflight.collected else None
+        if previous is not None and previous.continues(running):
+            step = self._dispatch_chained(previous, running, requests)
+        else:
+            if previous is not None:
+                self.decode_collect(previous)
+            step = self._dispatch_fed(requests)
+        self._inflight = step
+        return step
 
-    def _decode_call(self, running: list[BatchedRequest], results: dict[int, int]) -> None:
+    def decode_collect(self, step: PendingDecode) -> list[int | None]:
+        """Read a dispatched step's tokens (the one sync) into its requests; returns each request's new token, None
+        for requests that were finished, left out, or released since the dispatch. Collects older steps first."""
+        if step.results is not None:
+            return step.results
+        if step.previous is not None:
+            self.decode_collect(step.previous)
+            step.previous = None
+        step.results = [None] * len(step.requests)  # collected even if the read raises: never delivered twice
+        kept = [(i, r) for i, r in enumerate(step.rows) if r is not None and self._holds(r, int(step.slots[i]))]
+        results: dict[int, int] = {}
+        if kept:
+            fed = [(r.slot_id, r.last_token) for _, r in kept]
+            self._deliver(kept, step.out, results)
+            for slot, token in fed:  # recorded once its row is kept, so a discarded row leaves no trace
+                self.slot_tokens[slot].append(token)
+        step.results, step.out = [results.get(id(r)) for r in step.requests], None
+        return step.results
+
+    def _dispatch_fed(self, requests: Sequence[BatchedRequest]) -> PendingDecode:
+        """A step whose input tokens come from the host: every earlier step is collected."""
+        running = [r for r in requests if not r.finished]
         rows = bucket(len(running), 1, self.num_slots)
         dense = rows == self.num_slots
         if dense:  # row i is slot i: attention reads the cache without gathering rows
@@ -342,27 +408,44 @@ class Engine:
         else:
             row_reqs = running + [None] * (rows - len(running))
         tokens = np.zeros(rows, np.int32)
-        slots = np.zeros(rows, np.int32)
+        slots = np.arange(rows, dtype=np.int32) if dense else np.zeros(rows, np.int32)
         positions = np.zeros(rows, np.int32)
-        active = np.zeros(rows, bool)
         steps = np.zeros(rows, np.int32)
         for i, req in enumerate(row_reqs):
-            slots[i] = i if dense else 0
-            if req is None:
-                continue
-            tokens[i], slots[i], positions[i] = req.last_token, req.slot_id, len(self.slot_tokens[req.slot_id])
-            active[i], steps[i] = True, len(req.generated_tokens)
-        kv_len = self._kv_bucket(int(positions.max()) + 1)
-        present = [r for r in row_reqs if r is not None]
-        sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in row_reqs],
-                                 [r.seed if r else 0 for r in row_reqs])
+            if req is not None:
+                tokens[i], slots[i], positions[i] = req.last_token, req.slot_id, len(self.slot_tokens[req.slot_id])
+                steps[i] = len(req.generated_tokens)
+        return self._dispatch(PendingDecode(list(requests), row_reqs, slots, positions, steps, dense), tokens)
+
+    def _dispatch_chained(self, previous: PendingDecode, running: list[BatchedRequest],
+                          requests: Sequence[BatchedRequest]) -> PendingDecode:
+        """A step fed `previous`'s sampled tokens on device: same rows, one position and one step further."""
+        going = {id(r) for r in running if not self._reaches_length(r, len(r.generated_tokens) + 1)}
+        rows = [r if r is not None and id(r) in going else None for r in previous.rows]
+        active = np.array([r is not None for r in rows])
+        step = PendingDecode(list(requests), rows, previous.slots, np.where(active, previous.positions + 1, 0),
+                             np.where(active, previous.steps + 1, 0), previous.dense, previous=previous)
+        return self._dispatch(step, previous.out.tokens if previous.out is not None else None)
+
+    def _dispatch(self, step: PendingDecode, tokens) -> PendingDecode:
+        """Queue the forward pass and the sampler over `step`'s rows (nothing when no row is active)."""
+        present = [r for r in step.rows if r is not None]
+        if not present:
+            return step
+        active = np.array([r is not None for r in step.rows])
+        kv_len = self._kv_bucket(int(step.positions.max()) + 1)
+        sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in step.rows],
+                                 [r.seed if r else 0 for r in step.rows])
         num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r in present) else 0
-        self.cache, logits = decode_step(self.model.params, self.cache, tokens, slots, positions, active,
-                                         config=self.model.config, impl=self.impl, kv_len=kv_len, dense=dense)
-        self.penalties, out = sample_next(self.penalties, logits, slots, active, steps, sampling, num_top=num_top)
-        for req in present:
-            self.slot_tokens[req.slot_id].append(req.last_token)
-        self._deliver([(i, r) for i, r in enumerate(row_reqs) if r is not None], out, results)
+        self.cache, logits = decode_step(self.model.params, self.cache, tokens, step.slots, step.positions, active,
+                                         config=self.model.config, impl=self.impl, kv_len=kv_len, dense=step.dense)
+        self.penalties, step.out = sample_next(self.penalties, logits, step.slots, active, step.steps, sampling,
+                                               num_top=num_top)
+        return step
+
+    def _holds(self, req: BatchedRequest, slot: int) -> bool:
+        """True while req is unfinished and still holds `slot`: its token of a step in flight is still wanted."""
+        return not req.finished and self.slot_of.get(req.request_id) == slot
 
     # ---- shared --------------------------------------------------------------------------------------------------
     def _kv_bucket(self, needed: int) -> int:
@@ -387,12 +470,18 @@ class Engine:
         sp = req.sampling
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
             req.finished, req.finish_reason = True, "stop"
-        elif len(req.generated_tokens) >= sp.max_tokens:
-            req.finished, req.finish_reason = True, "length"
-        elif len(req.prompt_tokens) + len(req.generated_tokens) >= self.max_seq_len:
+        elif self._reaches_length(req, len(req.generated_tokens)):
             req.finished, req.finish_reason = True, "length"
 
+    def _reaches_length(self, req: BatchedRequest, generated: int) -> bool:
+        """True when `generated` tokens end req by length: max_tokens, or the cache's last position."""
+        return generated >= req.sampling.max_tokens or len(req.prompt_tokens) + generated >= self.max_seq_len
+
     def compiled_count(self) -> int:
-        """How many shapes the step functions have compiled so far (a steady workload must not add any)."""
+        """How many call signatures the step functions hold so far (a steady workload must not add any).
+
+        A decode step fed its tokens on device (`decode_dispatch` chaining) adds one signature per shape the first
+        time; it reuses the executable compiled for the host-fed step.
+        """
         steps = (prefill_step, decode_step, sample_first, sample_next, copy_slot_prefix)
         return sum(f._cache_size() for f in steps)

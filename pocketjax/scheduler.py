@@ -4,6 +4,10 @@ One step admits waiting requests into free slots (oldest first), runs ONE budget
 call for every request whose prompt was already in its slot, and hands the new tokens to the requests' handles.
 The token budget bounds how long a long prompt can hold up the running decodes: at most one chunk per step.
 
+Pipelined (the default), a step queues decode step N+1, fed step N's tokens on device, before it reads step N's
+tokens, so the host's delivery work (detokenizing, stop strings, waking readers) runs while the device computes.
+A request that step N ends (a stop token or stop string) has its row of step N+1 discarded by the engine.
+
 Only the thread that runs `step()` touches the engine. Other threads submit and cancel under one Condition,
 which the background loop sleeps on when there is nothing to do.
 """
@@ -16,7 +20,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from .engine import BatchedRequest, Completion, Engine
+from .engine import BatchedRequest, Completion, Engine, PendingDecode
 from .errors import CapacityError, ConfigError, PocketJaxError, RequestError
 from .sampling import SamplingParams
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -165,7 +169,7 @@ class Scheduler:
     """FCFS continuous batching over one Engine; `step()` by hand, or `start()` a background loop."""
 
     def __init__(self, engine: Engine, max_waiting: int = 1024, prefill_token_budget: int | None = None,
-                 tokenizer: Tokenizer | None = None):
+                 tokenizer: Tokenizer | None = None, pipeline: bool = True):
         budget = engine.config.prefill_chunk if prefill_token_budget is None else prefill_token_budget
         for name, value in (("max_waiting", max_waiting), ("prefill_token_budget", budget)):
             if not isinstance(value, int) or value < 1:
@@ -174,6 +178,8 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.prefill_token_budget = budget
         self.tokenizer = tokenizer
+        self.pipeline = pipeline  # overlap each step's host work with the next decode step on device
+        self._pending: PendingDecode | None = None  # the decode step in flight: its tokens are read next step
         self.waiting: deque[RequestHandle] = deque()
         self.running: list[RequestHandle] = []  # admitted: holding a slot, prefilling or decoding
         self._live: dict[Any, RequestHandle] = {}  # request_id -> handle, waiting or running
@@ -236,11 +242,14 @@ class Scheduler:
             batch = list(self.running)
         prefilling = [h for h in batch if h.request.last_token is None]
         decoding = [h for h in batch if h.request.last_token is not None and not h.request.finished]
-        self._run(self.engine.batch_prefill, prefilling, token_budget=self.prefill_token_budget)
-        self._run(self.engine.batch_decode_step, decoding)
+        self._run(prefilling, self.engine.batch_prefill, [h.request for h in prefilling],
+                  token_budget=self.prefill_token_budget)
+        if self.pipeline:
+            self._decode_pipelined(decoding)
+        else:
+            self._run(decoding, self.engine.batch_decode_step, [h.request for h in decoding])
+        self._hand_out(batch)
         with self._cond:
-            for handle in batch:
-                self._deliver(handle)
             return self.has_work()
 
     def start(self) -> Scheduler:
@@ -310,17 +319,48 @@ class Scheduler:
                 continue
             self.running.append(handle)
 
-    def _run(self, call, handles: list[RequestHandle], **kwargs: Any) -> None:
-        """One engine call; if it raises, only the requests in it fail (their slots are freed)."""
+    def _run(self, handles: list[RequestHandle], call, *args: Any, **kwargs: Any) -> Any:
+        """One engine call for `handles`; if it raises, only they fail (their slots are freed) and it returns None."""
         if not handles:
-            return
+            return None
         try:
-            call([h.request for h in handles], **kwargs)
+            return call(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - any failure belongs to these requests, not to the loop
             with self._cond:
-                for handle in handles:
+                for handle in [h for h in handles if not h.done()]:  # one that already finished keeps its result
                     self._release(handle)
                     handle._fail(error)
+            return None
+
+    def _decode_pipelined(self, handles: list[RequestHandle]) -> None:
+        """Queue the next decode step, then read the one in flight, whose tokens `step` hands out while it runs.
+
+        A request that just joined the decoding set needs its input token from the host: the step in flight is read
+        first, a host-fed step restarts the pipeline with the next step queued behind it, and the host-fed step is
+        read in this step too. Tokens read early are handed out once the new steps are queued; a request they end
+        (a stop string) has its rows in those steps discarded by the engine.
+        """
+        pending, self._pending = self._pending, None
+        requests = [h.request for h in handles]
+        joined = pending is not None and not pending.continues(requests)
+        if joined:
+            self._run(handles, self.engine.decode_collect, pending)
+            pending = None
+        if all(r.finished for r in requests):
+            return
+        if pending is None:
+            pending = self._run(handles, self.engine.decode_dispatch, requests)
+        following = self._run(handles, self.engine.decode_dispatch, requests) if pending is not None else None
+        if joined:
+            self._hand_out(handles)
+        if following is not None and self._run(handles, self.engine.decode_collect, pending) is not None:
+            self._pending = following
+
+    def _hand_out(self, handles: list[RequestHandle]) -> None:
+        """Deliver the new tokens of each handle's request."""
+        with self._cond:
+            for handle in handles:
+                self._deliver(handle)
 
     def _deliver(self, handle: RequestHandle) -> None:
         """Pass a request's new tokens to its handle; retire it if it finished. Holds `self._cond`."""
@@ -348,6 +388,7 @@ class Scheduler:
 
     def _release(self, handle: RequestHandle) -> None:
         """Give a running request's slot back to the engine. Holds `self._cond`."""
+        handle.request.finished = True  # the engine drops its token of a decode step already in flight
         if handle in self.running:
             self.running.remove(handle)
             self.engine.free_slot(handle.request_id)

@@ -1,5 +1,6 @@
 """Engine: greedy parity with transformers, batched == alone, chunking, prefix reuse, buckets, errors."""
 import gc
+from dataclasses import replace
 
 import numpy as np
 import psutil
@@ -8,7 +9,7 @@ import torch
 import transformers
 
 import pocketjax as pj
-from pocketjax.engine import BatchedRequest, Engine
+from pocketjax.engine import BatchedRequest, Engine, PendingDecode
 from pocketjax.errors import CapacityError, RequestError, SamplingError
 from pocketjax.sampling import SamplingParams
 
@@ -246,3 +247,59 @@ def test_pallas_interpret_generation_equals_xla(hf_checkpoint):
     kernels = run(Engine(model, max_batch_size=2, max_seq_len=64, prefill_chunk=16,
                          attention_impl="pallas_interpret"), prompts, short)
     assert [r.generated_tokens for r in kernels] == [r.generated_tokens for r in xla]
+
+
+def decode_in_flight(engine: Engine, reqs: list[BatchedRequest]) -> list[tuple[PendingDecode, bool]]:
+    """Decode to completion keeping one step in flight (dispatch N+1, then collect N), as the scheduler does;
+    returns every dispatched step and whether it was fed its tokens on device."""
+    steps = []
+
+    def dispatch():
+        step = engine.decode_dispatch(reqs)
+        steps.append((step, step.previous is not None))
+
+    dispatch()
+    while not all(r.finished for r in reqs):
+        dispatch()
+        engine.decode_collect(steps[-2][0])
+    engine.decode_collect(steps[-1][0])
+    return steps
+
+
+def test_decode_in_flight_equals_host_fed_steps_and_discards_rows_past_a_stop(qwen3):
+    _, model = qwen3
+    new_engine = lambda: Engine(model, max_batch_size=8, max_seq_len=128, prefill_chunk=32)  # noqa: E731
+    prompts = random_prompts(21, [4, 9, 13, 6, 11, 5], model.config.vocab_size)
+    free = run(new_engine(), prompts, MIXED[:6])
+    # the first four stop on a token of their own at different steps while the last two run to max_tokens
+    params = [replace(sp, stop_token_ids=(f.generated_tokens[1 + i],)) if i < 4 else sp
+              for i, (sp, f) in enumerate(zip(MIXED[:6], free))]
+    host = new_engine()
+    expected = run(host, prompts, params)
+    engine = new_engine()
+    reqs = [BatchedRequest(i, list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for r in reqs:
+        engine.allocate_slot(r)
+    engine.batch_prefill(reqs)
+    steps = decode_in_flight(engine, reqs)
+    for r in reqs:
+        engine.free_slot(r.request_id)
+    for r, e in zip(reqs, expected):
+        assert (r.generated_tokens, r.finish_reason) == (e.generated_tokens, e.finish_reason), r.request_id
+        assert [lp for lp, _ in r.logprobs] == pytest.approx([lp for lp, _ in e.logprobs], abs=1e-5)
+        # a slot records the tokens whose K/V it holds: never the input of a discarded row
+        assert engine.slot_tokens[r.slot_id] == host.slot_tokens[e.slot_id] == r.prompt_tokens + r.generated_tokens[:-1]
+    assert [r.finish_reason for r in reqs] == ["stop"] * 4 + ["length"] * 2
+    assert sum(chained for _, chained in steps) >= len(steps) - 2
+    discarded = [r.request_id for step, _ in steps for r, token in zip(step.requests, step.results)
+                 if token is None and any(row is r for row in step.rows)]
+    assert discarded and set(discarded) <= {0, 1, 2, 3} and len(set(discarded)) == len(discarded)
+    # the slot a discarded row wrote past its records serves a follow-up turn as a fresh engine would, penalties too
+    stopped = reqs[discarded[0]]
+    follow_up = stopped.prompt_tokens + stopped.generated_tokens + [5, 6]
+    penalized = SamplingParams(max_tokens=6, temperature=0.0, presence_penalty=1.0, frequency_penalty=1.0,
+                               repetition_penalty=1.3, ignore_eos=True)
+    (again,) = run(engine, [follow_up], penalized)
+    assert again.slot_id == stopped.slot_id
+    assert again.cached_prefix_len == len(stopped.prompt_tokens) + len(stopped.generated_tokens) - 1
+    assert again.generated_tokens == run(new_engine(), [follow_up], penalized)[0].generated_tokens

@@ -7,6 +7,7 @@ import asyncio
 import gc
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import psutil
@@ -268,21 +269,23 @@ def test_invalid_request_fails_only_its_handle(model, engine):
     assert other.result().token_ids == alone(model, [4, 5, 6], GREEDY)
 
 
-def test_step_exception_fails_that_steps_requests_and_loop_continues(model, engine, monkeypatch):
-    sched = Scheduler(engine)
+@pytest.mark.parametrize("pipeline, method", [(False, "batch_decode_step"), (True, "decode_dispatch"),
+                                              (True, "decode_collect")])
+def test_step_exception_fails_that_steps_requests_and_loop_continues(model, engine, monkeypatch, pipeline, method):
+    sched = Scheduler(engine, pipeline=pipeline)
     decoding = sched.submit([7, 8, 9], GREEDY)
     sched.step()  # prefilled: the next step decodes it
     prefilling = sched.submit([10, 11, 12], GREEDY)
     calls = []
-    decode = engine.batch_decode_step
+    decode = getattr(engine, method)
 
-    def fail_once(requests):
+    def fail_once(*args):
         calls.append(len(calls))
         if len(calls) == 1:
             raise RuntimeError("injected device failure")
-        return decode(requests)
+        return decode(*args)
 
-    monkeypatch.setattr(engine, "batch_decode_step", fail_once)
+    monkeypatch.setattr(engine, method, fail_once)
     sched.step()
     with pytest.raises(RuntimeError, match="injected"):
         decoding.result(timeout=0)
@@ -337,3 +340,105 @@ def test_text_stop_strings_and_text_stream(engine, tokenizer):
     assert out.token_ids == full.token_ids[:len(out.token_ids)] and len(out.token_ids) < len(full.token_ids)
     assert stop in tokenizer.decode(out.token_ids)  # the token that completed the stop string ends the ids
     assert stop not in tokenizer.decode(out.token_ids[:-1])
+
+
+def record_dispatches(engine, monkeypatch) -> list[tuple]:
+    """Spy on engine.decode_dispatch: each dispatched step and whether it was fed its tokens on device."""
+    steps = []
+    dispatch = engine.decode_dispatch
+
+    def spy(requests):
+        step = dispatch(requests)
+        steps.append((step, step.previous is not None))
+        return step
+
+    monkeypatch.setattr(engine, "decode_dispatch", spy)
+    return steps
+
+
+def serve(engine, prompts, params, pipeline: bool) -> list:
+    """The requests submitted at once and stepped by hand to the end; their handles."""
+    sched = Scheduler(engine, pipeline=pipeline)
+    handles = [sched.submit(p, s) for p, s in zip(prompts, params)]
+    drain(sched)
+    return handles
+
+
+def test_pipelined_loop_equals_unpipelined_and_alone(model, engine, monkeypatch):
+    n = 12  # more than SLOTS: the last requests join while others decode
+    prompts = random_prompts(12, [2 + (3 * i) % 13 for i in range(n)])
+    free = [MIXED[i % len(MIXED)] for i in range(n)]
+    outs = [h.result().token_ids for h in serve(engine, prompts, free, pipeline=False)]
+    # three in four stop on a token of their own, at different steps, while the others run to max_tokens
+    params = [replace(s, stop_token_ids=(o[min(1 + i % 3, len(o) - 1)],)) if i % 4 else s
+              for i, (s, o) in enumerate(zip(free, outs))]
+    plain = [h.result() for h in serve(engine, prompts, params, pipeline=False)]
+    steps = record_dispatches(engine, monkeypatch)
+    handles = serve(engine, prompts, params, pipeline=True)
+    for i, (h, p) in enumerate(zip(handles, plain)):
+        out = h.result()
+        assert (out.token_ids, out.finish_reason) == (p.token_ids, p.finish_reason), i
+        assert out.token_ids == alone(model, prompts[i], params[i]), i
+        assert h.request.generated_tokens == out.token_ids and len(out.logprobs) == len(out.token_ids)
+    assert {p.finish_reason for p in plain} == {"stop", "length"}
+    assert sum(chained for _, chained in steps) > len(steps) // 2
+    discarded = {r.request_id for step, _ in steps if step.collected  # the last one may stay in flight, unread
+                 for r, token in zip(step.requests, step.results)
+                 if token is None and any(row is r for row in step.rows)}
+    assert discarded and discarded <= {h.request_id for h in handles if h.result().finish_reason == "stop"}
+    assert not engine.slot_of
+
+
+def test_pipelined_stop_keeps_slot_records_and_prefix_reuse(model, engine):
+    prompt, other = random_prompts(13, [7, 5])
+    free = alone(model, prompt, GREEDY)
+    stop = replace(GREEDY, stop_token_ids=(free[3],))
+    sched = Scheduler(engine)
+    sched.submit(other, GREEDY)  # keeps decoding after the stop, so the loop stays pipelined
+    handle = sched.submit(prompt, stop)
+    drain(sched)
+    out = handle.result()
+    assert out.finish_reason == "stop" and out.token_ids == free[:free.index(free[3]) + 1]
+    assert engine.slot_tokens[handle.request.slot_id] == prompt + out.token_ids[:-1]
+    # the next turn finds every token but the last cached, and its penalties start from zero in that slot
+    follow_up = prompt + out.token_ids + [3, 4]
+    penalized = SamplingParams(max_tokens=6, temperature=0.0, presence_penalty=1.0, frequency_penalty=1.0,
+                               repetition_penalty=1.3, ignore_eos=True)
+    turn = sched.submit(follow_up, penalized)
+    drain(sched)
+    assert turn.request.slot_id == handle.request.slot_id
+    assert turn.cached_prefix_len == len(prompt) + len(out.token_ids) - 1
+    assert turn.result().token_ids == alone(model, follow_up, penalized)
+
+
+def test_pipelined_stop_string_discards_the_token_in_flight(engine, tokenizer):
+    prompt = random_prompts(9, [6])[0]
+    with Scheduler(engine, tokenizer=tokenizer) as sched:
+        text = sched.submit(prompt, GREEDY).result(timeout=TIMEOUT).text
+        stop = next(text[i:i + 2] for i in range(2, len(text) - 3)
+                    if text.find(text[i:i + 2]) == i and "\ufffd" not in text[i:i + 2])
+        # decodes on after the stop, so the loop reads the step in flight that still holds the stopped request
+        keep = sched.submit(random_prompts(10, [5])[0], replace(GREEDY, max_tokens=40))
+        handle = sched.submit(prompt, replace(GREEDY, stop=(stop,)))
+        out = handle.result(timeout=TIMEOUT)
+        keep.result(timeout=TIMEOUT)
+    assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
+    assert handle.request.generated_tokens == out.token_ids
+    assert engine.slot_tokens[handle.request.slot_id] == prompt + out.token_ids[:-1]
+
+
+def test_pipelined_loop_does_not_recompile_after_warmup(engine, monkeypatch):
+    prompts = random_prompts(14, [3, 9, 14, 5, 12, 7, 4, 10, 6, 13])
+
+    def workload(seed):
+        params = [SamplingParams(max_tokens=3 + i % 6, temperature=float(i % 2), seed=seed + i, ignore_eos=True)
+                  for i in range(len(prompts))]
+        return [h.result().token_ids for h in serve(engine, prompts, params, pipeline=True)]
+
+    steps = record_dispatches(engine, monkeypatch)
+    workload(0)
+    workload(0)  # the slots now hold these prompts: the prefix reuse of every later run
+    compiled = engine.compiled_count()
+    assert workload(1) != workload(0)  # other sampled tokens, same shapes
+    assert engine.compiled_count() == compiled
+    assert any(chained for _, chained in steps)
