@@ -303,3 +303,23 @@ def test_decode_in_flight_equals_host_fed_steps_and_discards_rows_past_a_stop(qw
     assert again.slot_id == stopped.slot_id
     assert again.cached_prefix_len == len(stopped.prompt_tokens) + len(stopped.generated_tokens) - 1
     assert again.generated_tokens == run(new_engine(), [follow_up], penalized)[0].generated_tokens
+
+
+def test_one_slot_decode_never_copies_the_cache(qwen3):
+    """A 1-slot engine decodes through the gather path: the dense path's one-row write makes XLA:CPU copy every
+    layer's cache several times per step once attention reads all of it (kv bucket == max_seq_len)."""
+    import re
+
+    from pocketjax.engine import decode_step
+
+    _, model = qwen3
+    engine = Engine(model, max_batch_size=1, max_seq_len=128)  # the smallest kv bucket is the whole cache
+    (req,) = run(engine, random_prompts(21, [9], model.config.vocab_size), GREEDY)
+    assert engine._inflight.dense is False and len(req.generated_tokens) == 12
+    c = model.config
+    rows = (np.zeros(1, np.int32),) * 2 + (np.full(1, 20, np.int32), np.ones(1, bool))
+    shape = rf"f32\[1,{c.num_kv_heads},128,{c.head_dim}\]"
+    hlo = decode_step.lower(model.params, engine.cache, *rows, config=c, impl="xla", kv_len=128,
+                            dense=False).compile().as_text()
+    assert len(re.findall(shape + r"\S* parameter\(", hlo)) >= 2 * c.num_layers  # the pattern sees the cache
+    assert not re.findall(shape + r"\S* copy\(", hlo)  # (dense=True: 8 copies per layer with jax 0.10.2)
