@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tuning
+from pallas_kernels.reference import compute_dtype
 
 try:  # the Triton backend is deprecated since JAX 0.11; interpret mode works without it
     from jax.experimental.pallas import triton as plgpu
@@ -174,11 +175,6 @@ def _decode_kernel(slots_ref, lengths_ref, q_ref, *refs, scale_log2: float, bloc
         l_ref[...] = l
     else:
         o_ref[...] = normalize(acc, l).astype(o_ref.dtype)
-
-
-def compute_dtype(q, k_cache):
-    """The kernels' product dtype: the cache's, or q's when the cache is quantized (1-byte values)."""
-    return q.dtype if jnp.dtype(k_cache.dtype).itemsize == 1 else k_cache.dtype
 
 
 def cache_operands(k_cache, v_cache, k_scale, v_scale, t_pad: int, dp: int, index_map):

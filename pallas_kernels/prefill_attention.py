@@ -24,7 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tuning
-from pallas_kernels.decode_attention import attend_block, cache_operands, compute_dtype, init_carry, load_kv, normalize
+from pallas_kernels.decode_attention import attend_block, cache_operands, init_carry, load_kv, normalize
+from pallas_kernels.reference import compute_dtype
 
 _LOG2E = math.log2(math.e)
 

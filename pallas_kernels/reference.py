@@ -33,8 +33,8 @@ def _rows(cache: jax.Array, slots: jax.Array | None, n: int) -> jax.Array:
     return cache[:n] if slots is None else jnp.take(cache, slots, axis=0)
 
 
-def _compute_dtype(q, cache):
-    """The dtype of the attention products: the cache's, or q's when the cache is quantized."""
+def compute_dtype(q, cache):
+    """The dtype of the attention products: the cache's, or q's when the cache is quantized (1-byte values)."""
     return q.dtype if jnp.dtype(cache.dtype).itemsize == 1 else cache.dtype
 
 
@@ -61,7 +61,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=Non
     s, q_heads, d = q.shape
     kv_heads, t = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    dtype = _compute_dtype(q, k_cache)
+    dtype = compute_dtype(q, k_cache)
     k, v = _rows(k_cache, slots, s), _rows(v_cache, slots, s)
     qg = q.reshape(s, kv_heads, q_heads // kv_heads, d).astype(dtype)
     logits = jnp.einsum("skgd,sktd->skgt", qg, k.astype(dtype), preferred_element_type=jnp.float32,
@@ -86,7 +86,7 @@ def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, 
     b, tq, q_heads, d = q.shape
     kv_heads, t = k_cache.shape[1], k_cache.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    dtype = _compute_dtype(q, k_cache)
+    dtype = compute_dtype(q, k_cache)
     k, v = _rows(k_cache, slots, b), _rows(v_cache, slots, b)
     qg = q.reshape(b, tq, kv_heads, q_heads // kv_heads, d).astype(dtype)
     logits = jnp.einsum("bqkgd,bktd->bkgqt", qg, k.astype(dtype), preferred_element_type=jnp.float32,

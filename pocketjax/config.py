@@ -19,6 +19,12 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")  # stored with per-token, per-kv-head float32 scales
 KV_DTYPES = DTYPES + QUANTIZED_KV_DTYPES
+
+
+def check_kv_dtype(kv_dtype: str | None) -> None:
+    """ConfigError for a KV cache dtype pocketjax cannot store (None: the model's own dtype)."""
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype={kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
 ROPE_TYPES = ("default", "linear", "yarn")
 
 
@@ -264,5 +270,4 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_dtype={self.kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
+        check_kv_dtype(self.kv_dtype)

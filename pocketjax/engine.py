@@ -216,6 +216,7 @@ class Engine:
         self.penalties = Penalties(jnp.zeros((n, c.vocab_size), bool), jnp.zeros((n, c.vocab_size), jnp.int32))
         self.slot_tokens: list[list[int]] = [[] for _ in range(n)]
         self.free_slots: list[int] = list(range(n))  # least recently freed first
+        self._inflight: PendingDecode | None = None  # the last dispatched decode step (it may be uncollected)
 
     def allocate_slot(self, request: BatchedRequest | Any) -> int:
         """Hold a free slot for a request (a BatchedRequest or its id); returns the slot id.
@@ -349,8 +350,6 @@ class Engine:
             self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if final[i]], out, results)
 
     # ---- decode --------------------------------------------------------------------------------------------------
-    _inflight: PendingDecode | None = None  # the last dispatched decode step; a class default until the first one
-
     def batch_decode_step(self, requests: Sequence[BatchedRequest]) -> list[int | None]:
         """One device call that generates the next token of every unfinished request; None for the others."""
         return self.decode_collect(self.decode_dispatch(requests))

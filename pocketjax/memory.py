@@ -27,7 +27,7 @@ import numpy as np
 
 from . import quant
 from .checkpoint import LAYER_TENSORS, expected_shapes
-from .config import DTYPES, KV_DTYPES, QUANTIZED_KV_DTYPES, ModelConfig
+from .config import DTYPES, QUANTIZED_KV_DTYPES, ModelConfig, check_kv_dtype
 from .errors import ConfigError
 
 GiB = 1024**3
@@ -76,8 +76,7 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
     kv_dtype = kv_dtype or dtype
-    if kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"kv_dtype={kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
+    check_kv_dtype(kv_dtype)
     if attention not in ATTENTION:
         raise ConfigError(f"attention={attention!r} is not supported (supported: {', '.join(ATTENTION)})")
     for name, value in (("tp", tp), ("slots", slots), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):

@@ -22,7 +22,7 @@ import numpy as np
 
 from . import layers, quant
 from .checkpoint import load_params
-from .config import DTYPES, KV_DTYPES, ModelConfig
+from .config import DTYPES, ModelConfig, check_kv_dtype
 from .errors import ConfigError, RequestError
 from .kv_cache import QMAX, KVCache, dequantize, quantize
 
@@ -175,6 +175,5 @@ def logits(model: Model, tokens, kv_dtype: str | None = None) -> jax.Array:
     vocab = model.config.vocab_size
     if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
         raise RequestError(f"token ids must lie in [0, {vocab}), got range [{int(tokens.min())}, {int(tokens.max())}]")
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"kv_dtype={kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
+    check_kv_dtype(kv_dtype)
     return forward_logits(model.params, model.config, tokens, kv_dtype)
