@@ -1,12 +1,14 @@
 """ModelConfig parsing in both spellings, RoPE scaling parity with transformers, and ConfigError cases."""
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
 from pocketjax.config import ModelConfig, rope_frequencies
+from pocketjax.layers import rope_tables
 from pocketjax.errors import ConfigError
 
 QWEN3_06B = {  # as released (transformers 4 spelling)
@@ -93,15 +95,30 @@ def test_missing_or_corrupt_config_file(tmp_path):
 ])
 def test_rope_frequencies_match_transformers(scaling):
     cfg = {**QWEN3_06B, "rope_scaling": scaling, "max_position_embeddings": 131072}
-    ours, factor = rope_frequencies(ModelConfig.from_dict(cfg))
+    config = ModelConfig.from_dict(cfg)
+    ours, factor = rope_frequencies(config)
     hf_cfg = transformers.Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures",)})
     rope = transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding(hf_cfg)
     np.testing.assert_allclose(ours, rope.inv_freq.numpy(), rtol=1e-6)
     assert factor == pytest.approx(rope.attention_scaling, rel=1e-7)
-    pos = torch.arange(0, 100000, 997)[None]
-    cos, _ = rope(torch.zeros(1, dtype=torch.float32), pos)
-    ours_cos = np.cos(pos.numpy()[0, :, None].astype(np.float32) * np.concatenate([ours, ours])) * factor
-    np.testing.assert_allclose(ours_cos, cos[0].numpy(), atol=2e-3)  # float32 angle rounding at 1e5 rad
+
+    # Long positions: the angle pos * inv_freq is formed in float32 (rounded by up to half a float32 step at its
+    # magnitude: ~0.004 rad at 1e5), then a vectorized cos reduces it to [-pi, pi], which may cost more steps
+    # (measured on an AMD EPYC: XLA:CPU's cos 0.50 of a step, torch's 2.2). So the engine's tables are compared with
+    # the float64 cos of the same product to one float32 step of the angle plus cos's own rounding, and with
+    # transformers' cosines only to the sum of both libraries' errors: two float32 results may differ by steps, and
+    # which way they fall depends on the CPU and the library.
+    pos = np.arange(0, 100000, 997)
+    angle = pos[:, None].astype(np.float64) * np.concatenate([ours, ours]).astype(np.float64)
+    step = np.spacing(angle.astype(np.float32)).astype(np.float64) * factor
+    cos_rounding = 4 * np.finfo(np.float32).eps * factor
+    engine_cos, engine_sin = (np.asarray(t, np.float64) for t in rope_tables(config, jnp.asarray(pos), jnp.float32))
+    for name, got, want in [("cos", engine_cos, np.cos(angle) * factor), ("sin", engine_sin, np.sin(angle) * factor)]:
+        err = np.abs(got - want)
+        assert np.all(err <= step + cos_rounding), f"engine {name}: error {err.max():.3g} rad, over one float32 step"
+    hf_cos, hf_sin = (t[0].numpy() for t in rope(torch.zeros(1, dtype=torch.float32), torch.as_tensor(pos)[None]))
+    np.testing.assert_array_less(np.abs(engine_cos - hf_cos), 4 * step + 2 * cos_rounding)
+    np.testing.assert_array_less(np.abs(engine_sin - hf_sin), 4 * step + 2 * cos_rounding)
 
 
 def test_config_json_roundtrip_of_saved_checkpoint(hf_checkpoint):
