@@ -38,11 +38,13 @@ import numpy as np  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
 from benchmarks.presets import PRESETS, build_preset  # noqa: E402
-from pocketjax.config import ModelConfig  # noqa: E402
-from pocketjax.engine import BatchedRequest, Engine, Penalties, bucket, decode_step, sample_next  # noqa: E402
-from pocketjax.kv_cache import init_cache  # noqa: E402
-from pocketjax.model import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
-from pocketjax.sampling import SamplingParams, pack_sampling  # noqa: E402
+from pocketjax.model.config import ModelConfig  # noqa: E402
+from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.engine.request import BatchedRequest  # noqa: E402
+from pocketjax.engine.steps import Penalties, bucket, decode_step, sample_next  # noqa: E402
+from pocketjax.model.kv_cache import init_cache  # noqa: E402
+from pocketjax.model.decoder import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
+from pocketjax.engine.sampling import SamplingParams, pack_sampling  # noqa: E402
 
 DEFAULT_CACHE_DIR = "/tmp/pocketjax-bench"
 PEERS = ("transformers", "llamacpp")

@@ -29,10 +29,11 @@ import numpy as np  # noqa: E402
 
 import pocketjax as pj  # noqa: E402
 from benchmarks.presets import PRESETS, build_preset  # noqa: E402
-from pocketjax import quant  # noqa: E402
-from pocketjax.engine import BatchedRequest, Engine  # noqa: E402
-from pocketjax.model import forward_logits  # noqa: E402
-from pocketjax.sampling import SamplingParams  # noqa: E402
+from pocketjax.model import quant  # noqa: E402
+from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.engine.request import BatchedRequest  # noqa: E402
+from pocketjax.model.decoder import forward_logits  # noqa: E402
+from pocketjax.engine.sampling import SamplingParams  # noqa: E402
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "pocketjax" / "assets" / "pocket-coder"
 # (compute dtype, weight quantization, KV cache dtype)
@@ -66,9 +67,9 @@ def quant_nbytes(w) -> int:
 def eval_tokens(folder: Path, config, seqs: int, length: int) -> tuple[np.ndarray, str]:
     """[seqs, length] tokens to score, and where they come from."""
     if (folder / "tokenizer.json").exists():  # the embedded model's own held-out split (every 50th stdlib file)
-        from pocketjax.bpe import PAD_TOKEN, split_holdout, stdlib_corpus
-        from pocketjax.tokenizer import Tokenizer
-        from pocketjax.train import encode_windows
+        from pocketjax.training.bpe import PAD_TOKEN, split_holdout, stdlib_corpus
+        from pocketjax.serve.tokenizer import Tokenizer
+        from pocketjax.training.train import encode_windows
         tokenizer = Tokenizer.from_folder(folder)
         held = split_holdout(stdlib_corpus(), every=50)[1]
         windows = encode_windows(tokenizer, held, tokenizer.token_id(PAD_TOKEN), length - 1)

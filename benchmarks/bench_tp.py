@@ -30,9 +30,10 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_engine import Prompts, engine_cycle, model_folder, parse_ints  # noqa: E402
 from benchmarks.presets import PRESETS  # noqa: E402
-from pocketjax import sharding  # noqa: E402
-from pocketjax.engine import Engine, decode_step  # noqa: E402
-from pocketjax.model import load_model  # noqa: E402
+from pocketjax.model import sharding  # noqa: E402
+from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.engine.steps import decode_step  # noqa: E402
+from pocketjax.model.decoder import load_model  # noqa: E402
 
 QUICK = dict(model="qwen3-tiny", concurrency="4", prompt_len=32, gen_len=12, repeats=2)
 # The paper model: a 64-layer, hidden-5120 Qwen (Qwen2.5-32B's shape) at TP2 in fp16.

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import decode_attention, prefill_attention, reference, tuning
-from pocketjax.kv_cache import quantize
+from pocketjax.model.kv_cache import quantize
 
 
 def _time(fn, *args, repeats: int) -> float:

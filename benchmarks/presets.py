@@ -12,8 +12,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from pocketjax.checkpoint import expected_shapes, open_checkpoint, write_safetensors
-from pocketjax.config import ModelConfig
+from pocketjax.model.checkpoint import expected_shapes, open_checkpoint, write_safetensors
+from pocketjax.model.config import ModelConfig
 
 PRESETS = {
     "qwen3-micro": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pocketjax.config import ModelConfig
+from pocketjax.model.config import ModelConfig
 
 
 def best_seconds(fn, repeats: int) -> float:

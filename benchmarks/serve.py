@@ -39,10 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 import pocketjax as pj  # noqa: E402
 from benchmarks.presets import PRESETS, build_preset  # noqa: E402
-from pocketjax.config import EngineConfig  # noqa: E402
-from pocketjax.engine import Engine, bucket, decode_step, sample_next  # noqa: E402
-from pocketjax.sampling import SamplingParams, pack_sampling  # noqa: E402
-from pocketjax.scheduler import Scheduler  # noqa: E402
+from pocketjax.engine.config import EngineConfig  # noqa: E402
+from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.engine.steps import bucket, decode_step, sample_next  # noqa: E402
+from pocketjax.engine.sampling import SamplingParams, pack_sampling  # noqa: E402
+from pocketjax.serve.scheduler import Scheduler  # noqa: E402
 
 # A bigger sibling of the tests' tiny Qwen3 so the device step, not Python, dominates a step (it still runs on CPU).
 MODEL = dict(quick=dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,

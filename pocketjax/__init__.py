@@ -1,13 +1,19 @@
-"""pocketjax: pure-JAX batched inference for Qwen2 / Qwen2.5 / Qwen3 decoders."""
+"""pocketjax: pure-JAX batched inference for Qwen2 / Qwen2.5 / Qwen3 decoders.
+
+Layers, bottom to top (imports flow downwards only): `model/` (config, checkpoint, layers, the decoder, KV cache,
+quantization, sharding), `engine/` (requests, slots, jitted steps, sampler, Engine), `serve/` (handles,
+scheduler, tokenizer, LLM, CLI). `training/` trains the embedded model and is not imported here.
+"""
 from . import errors
-from .config import EngineConfig, ModelConfig
-from .engine import BatchedRequest, Completion, Engine
-from .llm import LLM
-from .memory import MemoryPlan, plan_memory
-from .model import Model, load_model, logits
-from .sampling import SamplingParams
-from .scheduler import RequestHandle, Scheduler
-from .train import loss
+from .engine.config import EngineConfig
+from .engine.engine import Engine
+from .engine.request import BatchedRequest, Completion
+from .engine.sampling import SamplingParams
+from .model.config import ModelConfig
+from .model.decoder import Model, load_model, logits, loss
+from .model.memory import MemoryPlan, plan_memory
+from .serve.llm import LLM
+from .serve.scheduler import RequestHandle, Scheduler
 
 __all__ = [
     "errors", "ModelConfig", "EngineConfig", "Model", "load_model", "logits", "Engine", "BatchedRequest",

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from benchmarks import bench_engine, roofline
 from benchmarks.presets import gguf_tensor_name, preset_config
-from pocketjax.checkpoint import expected_shapes
-from pocketjax.config import ModelConfig
+from pocketjax.model.checkpoint import expected_shapes
+from pocketjax.model.config import ModelConfig
 
 RECORD_KEYS = {"system", "dtype", "concurrency", "prefill_tok_s", "decode_tok_s", "decode_ratio_vs_c1",
                "pct_bandwidth_roofline", "pct_matmul_peak", "decode_step_ms"}

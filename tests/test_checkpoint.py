@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pocketjax as pj
-from pocketjax.checkpoint import SafetensorsFile, write_safetensors
+from pocketjax.model.checkpoint import SafetensorsFile, write_safetensors
 from pocketjax.errors import CheckpointError
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers
 
-from pocketjax.config import ModelConfig, rope_frequencies
-from pocketjax.layers import rope_tables
+from pocketjax.model.config import ModelConfig, rope_frequencies
+from pocketjax.model.layers import rope_tables
 from pocketjax.errors import ConfigError
 
 QWEN3_06B = {  # as released (transformers 4 spelling)

@@ -9,9 +9,10 @@ import torch
 import transformers
 
 import pocketjax as pj
-from pocketjax.engine import BatchedRequest, Engine, PendingDecode
+from pocketjax.engine.engine import Engine, PendingDecode
+from pocketjax.engine.request import BatchedRequest
 from pocketjax.errors import CapacityError, RequestError, SamplingError
-from pocketjax.sampling import SamplingParams
+from pocketjax.engine.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -179,7 +180,7 @@ def test_slot_cycles_leave_no_stale_state(qwen3):
         if cycle in (200, 999):
             gc.collect()
             rss.append(psutil.Process().memory_info().rss)
-    assert sorted(engine.free_slots) == [0, 1] and not engine.slot_of
+    assert sorted(engine.slots.free) == [0, 1] and not engine.slots.owner
     assert rss[1] - rss[0] < 32 * 2**20, rss
 
 
@@ -254,13 +255,16 @@ def decode_in_flight(engine: Engine, reqs: list[BatchedRequest]) -> list[tuple[P
     returns every dispatched step and whether it was fed its tokens on device."""
     steps = []
 
-    def dispatch():
-        step = engine.decode_dispatch(reqs)
-        steps.append((step, step.previous is not None))
+    def dispatch(after=None):
+        if after is not None and not after.continues(reqs):  # a request joined: feed this step from the host
+            engine.decode_collect(after)
+            after = None
+        step = engine.decode_dispatch(reqs, after=after)
+        steps.append((step, after is not None))
 
     dispatch()
     while not all(r.finished for r in reqs):
-        dispatch()
+        dispatch(after=steps[-1][0])
         engine.decode_collect(steps[-2][0])
     engine.decode_collect(steps[-1][0])
     return steps
@@ -288,7 +292,7 @@ def test_decode_in_flight_equals_host_fed_steps_and_discards_rows_past_a_stop(qw
         assert (r.generated_tokens, r.finish_reason) == (e.generated_tokens, e.finish_reason), r.request_id
         assert [lp for lp, _ in r.logprobs] == pytest.approx([lp for lp, _ in e.logprobs], abs=1e-5)
         # a slot records the tokens whose K/V it holds: never the input of a discarded row
-        assert engine.slot_tokens[r.slot_id] == host.slot_tokens[e.slot_id] == r.prompt_tokens + r.generated_tokens[:-1]
+        assert engine.slots.tokens[r.slot_id] == host.slots.tokens[e.slot_id] == r.prompt_tokens + r.generated_tokens[:-1]
     assert [r.finish_reason for r in reqs] == ["stop"] * 4 + ["length"] * 2
     assert sum(chained for _, chained in steps) >= len(steps) - 2
     discarded = [r.request_id for step, _ in steps for r, token in zip(step.requests, step.results)
@@ -310,12 +314,16 @@ def test_one_slot_decode_never_copies_the_cache(qwen3):
     layer's cache several times per step once attention reads all of it (kv bucket == max_seq_len)."""
     import re
 
-    from pocketjax.engine import decode_step
+    from pocketjax.engine.steps import decode_step
 
     _, model = qwen3
     engine = Engine(model, max_batch_size=1, max_seq_len=128)  # the smallest kv bucket is the whole cache
-    (req,) = run(engine, random_prompts(21, [9], model.config.vocab_size), GREEDY)
-    assert engine._inflight.dense is False and len(req.generated_tokens) == 12
+    req = BatchedRequest(0, random_prompts(21, [9], model.config.vocab_size)[0], GREEDY)
+    engine.allocate_slot(req)
+    engine.batch_prefill([req])
+    step = engine.decode_dispatch([req])
+    engine.decode_collect(step)
+    assert step.dense is False
     c = model.config
     rows = (np.zeros(1, np.int32),) * 2 + (np.full(1, 20, np.int32), np.ones(1, bool))
     shape = rf"f32\[1,{c.num_kv_heads},128,{c.head_dim}\]"

@@ -294,7 +294,7 @@ def test_num_splits_heuristic():
 def test_kernels_read_a_quantized_cache_like_its_dequantized_copy(kv_dtype, dtype):
     """int8 / float8 values + per-token, per-head scales, read in place (decode 1 and 2 splits, prefill, and the
     XLA reference path) == the reference over a float32 dequantized copy, which no implementation builds."""
-    from pocketjax.kv_cache import dequantize, quantize
+    from pocketjax.model.kv_cache import dequantize, quantize
 
     rng = _rng("quantized", kv_dtype, dtype)
     s, q_heads, kv_heads, t, d = 3, 8, 2, 64, 128

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import pocketjax as pj
-from pocketjax.engine import BatchedRequest, Engine
+from pocketjax.engine.engine import Engine
+from pocketjax.engine.request import BatchedRequest
 from pocketjax.errors import ConfigError
-from pocketjax.kv_cache import QMAX, copy_prefix, dequantize, init_cache, quantize
-from pocketjax.sampling import SamplingParams
+from pocketjax.model.kv_cache import QMAX, copy_prefix, dequantize, init_cache, quantize
+from pocketjax.engine.sampling import SamplingParams
 from test_engine import MIXED, random_prompts, run
 
 KV_DTYPES = ["int8", "float8_e4m3fn"]
@@ -98,7 +99,7 @@ def test_int8_cache_batched_equals_alone_and_prefix_reuse(qwen3):
                 MIXED[0])[0]
     engine.allocate_slot(BatchedRequest(9, prompts[3]))  # holds prompt 3's slot: the follow-up must copy from it
     reused = run(engine, [follow], MIXED[0], ids=["f"])[0]
-    assert reused.slot_id != engine.slot_of[9]
+    assert reused.slot_id != engine.slots.owner[9]
     engine.free_slot(9)
     assert reused.cached_prefix_len == 25 and reused.generated_tokens == fresh.generated_tokens
 
@@ -133,7 +134,7 @@ def test_llm_and_cli_take_quantize_and_kv_dtype(capsys):
         assert llm.engine.cache.quantized and llm.engine.cache.k[0].dtype == jnp.int8
         out = llm.generate("def main(", SamplingParams(max_tokens=5, temperature=0.0))[0]
         assert len(out.token_ids) == 5
-    from pocketjax.cli import main
+    from pocketjax.serve.cli import main
     assert main(["info", "--kv-dtype", "int8", "--quantize", "int4"]) == 0
     plan = __import__("json").loads(capsys.readouterr().out)["memory_plan"]
     assert plan["details"]["kv_cache.scales"] > 0

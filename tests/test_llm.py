@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import pocketjax as pj
-from pocketjax.llm import DEFAULT_MODEL
+from pocketjax.serve.llm import DEFAULT_MODEL
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
 GREEDY = pj.SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -4,7 +4,7 @@ import pytest
 
 import pocketjax as pj
 from pocketjax.errors import ConfigError
-from pocketjax.memory import GiB, MemoryPlan
+from pocketjax.model.memory import GiB, MemoryPlan
 
 # The seed's deployment: a 64-layer Qwen with 8 KV heads of 128 (Qwen2.5-32B's shape) at TP2.
 QWEN_64L = dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import pocketjax as pj
-from pocketjax import quant
-from pocketjax.checkpoint import open_checkpoint, write_safetensors
+from pocketjax.model import quant
+from pocketjax.model.checkpoint import open_checkpoint, write_safetensors
 from pocketjax.errors import ConfigError
-from pocketjax.quant import AWQ_ORDER, QuantizedWeight
+from pocketjax.model.quant import AWQ_ORDER, QuantizedWeight
 
 
 def rel_err(a, b) -> float:

@@ -13,16 +13,13 @@ import numpy as np
 import pytest
 
 from pocketjax.errors import SamplingError
-from pocketjax.sampling import (
+from pocketjax.engine.sampling import (
     MAX_LOGPROBS,
     SamplingArrays,
     SamplingParams,
-    add_to_prompt_mask,
     apply_penalties,
     pack_sampling,
-    prompt_mask_from_tokens,
     sample,
-    update_output_counts,
 )
 
 P = SamplingParams
@@ -237,18 +234,6 @@ def test_pack_sampling_pads_with_greedy_neutral_rows():
         np.testing.assert_allclose(column, np.array(values, column.dtype), err_msg=name)
     with pytest.raises(ValueError):
         pack_sampling([P(), P()], [1, 2], pad_to=1)
-
-
-def test_penalty_state_helpers():
-    counts = update_output_counts(jnp.zeros((3, 5), jnp.int32), jnp.array([1, 4, 1]), jnp.array([True, True, False]))
-    counts = update_output_counts(counts, jnp.array([1, 0, 2]), jnp.array([True, False, True]))
-    np.testing.assert_array_equal(counts, [[0, 2, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 1, 0, 0]])
-    tokens = jnp.array([[3, 1, 3, 0], [4, 4, 2, 2]])
-    mask = prompt_mask_from_tokens(tokens, jnp.array([3, 1]), 5)
-    np.testing.assert_array_equal(mask, [[0, 1, 0, 1, 0], [0, 0, 0, 0, 1]])
-    # Chunked prefill: OR the next chunk in; padding positions write nothing.
-    mask = add_to_prompt_mask(mask, jnp.array([[2, 0], [0, 3]]), jnp.array([[True, False], [True, True]]))
-    np.testing.assert_array_equal(mask, [[0, 1, 1, 1, 0], [1, 0, 0, 1, 1]])
 
 
 @pytest.mark.parametrize("field, value", [

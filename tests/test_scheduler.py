@@ -14,11 +14,11 @@ import psutil
 import pytest
 
 import pocketjax as pj
-from pocketjax.bpe import stdlib_files, train_tokenizer
-from pocketjax.engine import Engine
+from pocketjax.training.bpe import stdlib_files, train_tokenizer
+from pocketjax.engine.engine import Engine
 from pocketjax.errors import CapacityError, ConfigError, RequestError, SamplingError
-from pocketjax.sampling import SamplingParams
-from pocketjax.scheduler import Scheduler
+from pocketjax.engine.sampling import SamplingParams
+from pocketjax.serve.scheduler import Scheduler
 
 SLOTS, MAX_LEN, CHUNK = 8, 128, 32
 TIMEOUT = 120  # seconds any single wait may take before the test fails instead of hanging
@@ -51,7 +51,7 @@ def engine(model):
     """The one shared engine; every test leaves all its slots free."""
     engine = Engine(model, max_batch_size=SLOTS, max_seq_len=MAX_LEN, prefill_chunk=CHUNK)
     yield engine
-    assert not engine.slot_of
+    assert not engine.slots.owner
 
 
 def fresh_engine(model) -> Engine:
@@ -85,7 +85,7 @@ def test_concurrent_requests_equal_alone(model, engine, n):
             parts = pool.map(submit, [range(k, n, 4) for k in range(4)])
         handles = dict(pair for part in parts for pair in part)
         outs = {i: h.result(timeout=TIMEOUT) for i, h in handles.items()}
-    assert not engine.slot_of
+    assert not engine.slots.owner
     for i in range(n):
         assert outs[i].token_ids == alone(model, prompts[i], params[i]), i
         assert outs[i].finish_reason == "length" and len(outs[i].token_ids) == params[i].max_tokens
@@ -158,7 +158,7 @@ def test_cancel_mid_stream_and_before_admission(engine, monkeypatch):
                 handle.cancel()
         out = handle.result(timeout=TIMEOUT)
     assert out.finish_reason == "cancelled" and out.token_ids == seen and 3 <= len(seen) < 100
-    assert handle.done() and not engine.slot_of
+    assert handle.done() and not engine.slots.owner
 
     admitted = []
     allocate = engine.allocate_slot
@@ -188,7 +188,7 @@ def test_stop_with_requests_in_flight(engine):
     assert all(o.finish_reason == "cancelled" for o in outs)
     assert streamed == outs[0].token_ids and len(outs[0].token_ids) < 120
     assert all(o.token_ids == [] for o in outs[SLOTS:])  # never admitted
-    assert not engine.slot_of and not sched.running and not sched.waiting
+    assert not engine.slots.owner and not sched.running and not sched.waiting
 
 
 def test_soak_2000_short_requests(engine):
@@ -223,7 +223,7 @@ def test_soak_2000_short_requests(engine):
     assert done == 2000
     assert engine.compiled_count() == compiled
     assert grown < 32 * 2**20, grown
-    assert not engine.slot_of and sorted(engine.free_slots) == list(range(SLOTS))
+    assert not engine.slots.owner and sorted(engine.slots.free) == list(range(SLOTS))
     assert not sched._live and not sched.running and not sched.waiting
 
 
@@ -279,22 +279,22 @@ def test_step_exception_fails_that_steps_requests_and_loop_continues(model, engi
     calls = []
     decode = getattr(engine, method)
 
-    def fail_once(*args):
+    def fail_once(*args, **kwargs):
         calls.append(len(calls))
         if len(calls) == 1:
             raise RuntimeError("injected device failure")
-        return decode(*args)
+        return decode(*args, **kwargs)
 
     monkeypatch.setattr(engine, method, fail_once)
     sched.step()
     with pytest.raises(RuntimeError, match="injected"):
         decoding.result(timeout=0)
-    assert decoding.request_id not in engine.slot_of and not prefilling.done()
+    assert decoding.request_id not in engine.slots.owner and not prefilling.done()
     with sched:  # the background loop serves the survivor and new requests
         later = sched.submit([13, 14], GREEDY)
         assert prefilling.result(timeout=TIMEOUT).token_ids == alone(model, [10, 11, 12], GREEDY)
         assert later.result(timeout=TIMEOUT).token_ids == alone(model, [13, 14], GREEDY)
-    assert not engine.slot_of
+    assert not engine.slots.owner
 
 
 def test_async_iteration(engine):
@@ -347,9 +347,9 @@ def record_dispatches(engine, monkeypatch) -> list[tuple]:
     steps = []
     dispatch = engine.decode_dispatch
 
-    def spy(requests):
-        step = dispatch(requests)
-        steps.append((step, step.previous is not None))
+    def spy(requests, after=None):
+        step = dispatch(requests, after=after)
+        steps.append((step, after is not None))
         return step
 
     monkeypatch.setattr(engine, "decode_dispatch", spy)
@@ -386,7 +386,7 @@ def test_pipelined_loop_equals_unpipelined_and_alone(model, engine, monkeypatch)
                  for r, token in zip(step.requests, step.results)
                  if token is None and any(row is r for row in step.rows)}
     assert discarded and discarded <= {h.request_id for h in handles if h.result().finish_reason == "stop"}
-    assert not engine.slot_of
+    assert not engine.slots.owner
 
 
 def test_pipelined_stop_keeps_slot_records_and_prefix_reuse(model, engine):
@@ -399,7 +399,7 @@ def test_pipelined_stop_keeps_slot_records_and_prefix_reuse(model, engine):
     drain(sched)
     out = handle.result()
     assert out.finish_reason == "stop" and out.token_ids == free[:free.index(free[3]) + 1]
-    assert engine.slot_tokens[handle.request.slot_id] == prompt + out.token_ids[:-1]
+    assert engine.slots.tokens[handle.request.slot_id] == prompt + out.token_ids[:-1]
     # the next turn finds every token but the last cached, and its penalties start from zero in that slot
     follow_up = prompt + out.token_ids + [3, 4]
     penalized = SamplingParams(max_tokens=6, temperature=0.0, presence_penalty=1.0, frequency_penalty=1.0,
@@ -424,7 +424,7 @@ def test_pipelined_stop_string_discards_the_token_in_flight(engine, tokenizer):
         keep.result(timeout=TIMEOUT)
     assert out.finish_reason == "stop" and out.text == text[:text.find(stop)]
     assert handle.request.generated_tokens == out.token_ids
-    assert engine.slot_tokens[handle.request.slot_id] == prompt + out.token_ids[:-1]
+    assert engine.slots.tokens[handle.request.slot_id] == prompt + out.token_ids[:-1]
 
 
 def test_pipelined_loop_does_not_recompile_after_warmup(engine, monkeypatch):

@@ -12,12 +12,13 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import pocketjax as pj
-from pocketjax import sharding
-from pocketjax.config import ModelConfig
-from pocketjax.engine import Engine, decode_step, prefill_step
+from pocketjax.model import sharding
+from pocketjax.model.config import ModelConfig
+from pocketjax.engine.engine import Engine
+from pocketjax.engine.steps import decode_step, prefill_step
 from pocketjax.errors import ConfigError
-from pocketjax.kv_cache import init_cache
-from pocketjax.sampling import SamplingParams
+from pocketjax.model.kv_cache import init_cache
+from pocketjax.engine.sampling import SamplingParams
 
 from test_engine import random_prompts, run
 
@@ -118,7 +119,7 @@ def test_engine_greedy_tp2_equals_tp1(load, reference_tokens, name, impl):
 
 
 def test_scheduler_and_llm_run_unchanged_under_tp2(hf_checkpoint, reference_tokens):
-    llm_module = pytest.importorskip("pocketjax.llm")
+    llm_module = pytest.importorskip("pocketjax.serve.llm")
     prompts, expected = reference_tokens("qwen2_mha_untied")
     llm = llm_module.LLM(hf_checkpoint("qwen2_mha_untied"), tp=2, attention_impl="xla", **ENGINE)
     assert sharding.mesh_tp(llm.model.mesh) == 2
@@ -194,7 +195,7 @@ REPLICATED_KV = """
 import jax, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_kernels import reference
-from pocketjax import sharding
+from pocketjax.model import sharding
 
 mesh = sharding.make_mesh(4)
 rng = np.random.default_rng(0)

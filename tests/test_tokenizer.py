@@ -6,9 +6,9 @@ import unicodedata
 
 import pytest
 
-from pocketjax.bpe import CHATML_TEMPLATE, SPECIAL_TOKENS, split_holdout, stdlib_corpus, stdlib_files, train_tokenizer
+from pocketjax.training.bpe import CHATML_TEMPLATE, SPECIAL_TOKENS, split_holdout, stdlib_corpus, stdlib_files, train_tokenizer
 from pocketjax.errors import CheckpointError, RequestError
-from pocketjax.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+from pocketjax.serve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -11,11 +11,11 @@ import torch
 import transformers
 
 import pocketjax as pj
-from pocketjax import train
-from pocketjax.checkpoint import SafetensorsFile
-from pocketjax.config import ModelConfig
+from pocketjax.training import train
+from pocketjax.model.checkpoint import SafetensorsFile
+from pocketjax.model.config import ModelConfig
 from pocketjax.errors import ConfigError, RequestError
-from pocketjax.tokenizer import Tokenizer
+from pocketjax.serve.tokenizer import Tokenizer
 
 ASSET = Path(train.__file__).parent / "assets" / "pocket-coder"
 ARCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

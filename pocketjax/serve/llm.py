@@ -5,14 +5,16 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .engine import Completion, Engine
-from .errors import RequestError
-from .model import Model, load_model
-from .sampling import SamplingParams
+from ..engine.config import EngineConfig
+from ..engine.engine import Engine
+from ..engine.request import Completion
+from ..engine.sampling import SamplingParams
+from ..errors import RequestError
+from ..model.decoder import Model, load_model
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
-DEFAULT_MODEL = Path(__file__).parent / "assets" / "pocket-coder"
+DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "pocket-coder"
 
 
 class LLM:
@@ -21,22 +23,24 @@ class LLM:
     `quantize` ("int8", "int4", "+head" variants) quantizes weights at load; `kv_dtype` ("int8", "float8_e4m3fn")
     quantizes the KV cache (about half the bytes of a 16-bit cache, so twice the slots or context per GiB).
 
+    Engine options (max_batch_size, max_seq_len, prefill_chunk, attention_impl, kv_dtype) are EngineConfig's fields,
+    as keywords or as `engine_config`.
+
     Prompts are strings (tokenized with the checkpoint's tokenizer.json) or token-id lists. The scheduler runs on
     a background thread from the first request until `close()` (or the end of a `with` block).
     """
 
-    def __init__(self, model: str | Path | Model | None = None, max_batch_size: int = 8, max_seq_len: int = 2048,
-                 dtype: str | None = None, tp: int = 1, attention_impl: str = "auto", prefill_chunk: int = 512,
-                 seed: int = 0, tokenizer: Tokenizer | None = None, quantize: str | None = None,
-                 kv_dtype: str | None = None):
+    def __init__(self, model: str | Path | Model | None = None, engine_config: EngineConfig | None = None, *,
+                 dtype: str | None = None, tp: int = 1, quantize: str | None = None, seed: int = 0,
+                 tokenizer: Tokenizer | None = None, **engine_options: Any):
+        config = EngineConfig.of(engine_config, **engine_options)  # checked before the weights load
         if not isinstance(model, Model):
             model = load_model(model or DEFAULT_MODEL, dtype=dtype, tp=tp, quantize=quantize)
         self.model = model
         self.tokenizer = tokenizer
         if self.tokenizer is None and model.path and (Path(model.path) / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_folder(model.path)
-        self.engine = Engine(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                             prefill_chunk=prefill_chunk, attention_impl=attention_impl, seed=seed, kv_dtype=kv_dtype)
+        self.engine = Engine(model, config, seed=seed)
         self.scheduler = Scheduler(self.engine, max_waiting=1 << 20, tokenizer=self.tokenizer)  # generate() queues all
         self.started = False
 
@@ -58,7 +62,7 @@ class LLM:
             if self.tokenizer is None:
                 raise RequestError("this model folder has no tokenizer.json: pass token ids instead of text")
             return self.tokenizer.encode(prompt)
-        return [int(t) for t in prompt]
+        return list(prompt)  # the engine checks each id (a non-integer is a RequestError, never rounded)
 
     def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None):
         """Queue one prompt on the background scheduler; returns its handle."""

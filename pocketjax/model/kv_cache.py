@@ -13,11 +13,22 @@ from dataclasses import dataclass, replace
 import jax
 import jax.numpy as jnp
 
+from ..errors import ConfigError
+from .config import DTYPES
+
 
 # Quantized cache dtypes: values are stored as round(x / scale) with one float32 scale per (token, kv head),
 # scale = max|x| / QMAX over head_dim (vLLM's per-token-head scheme). Attention factors the scales out of its
 # two products (QK^T columns, P rows), so the cache is never dequantized as a whole.
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+QUANTIZED_KV_DTYPES = tuple(QMAX)
+KV_DTYPES = DTYPES + QUANTIZED_KV_DTYPES
+
+
+def check_kv_dtype(kv_dtype: str | None) -> None:
+    """ConfigError for a KV cache dtype pocketjax cannot store (None: the model's own dtype)."""
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"kv_dtype={kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
 
 
 @jax.tree_util.register_dataclass

@@ -20,11 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import layers, quant
+from . import layers
+
+from . import quant
 from .checkpoint import load_params
-from .config import DTYPES, ModelConfig, check_kv_dtype
-from .errors import ConfigError, RequestError
-from .kv_cache import QMAX, KVCache, dequantize, quantize
+from .config import DTYPES, ModelConfig
+from ..errors import ConfigError, RequestError
+from .kv_cache import QMAX, KVCache, check_kv_dtype, dequantize, quantize
 
 Params = dict[str, Any]
 # attend(layer index, q [B,T,Hq,D], k, v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state)
@@ -177,3 +179,34 @@ def logits(model: Model, tokens, kv_dtype: str | None = None) -> jax.Array:
         raise RequestError(f"token ids must lie in [0, {vocab}), got range [{int(tokens.min())}, {int(tokens.max())}]")
     check_kv_dtype(kv_dtype)
     return forward_logits(model.params, model.config, tokens, kv_dtype)
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean float32 cross-entropy of logits [..., V] against integer targets [...]."""
+    logits = logits.astype(jnp.float32)
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+
+
+def loss(model_or_params: Model | Params, tokens: jax.Array, config: ModelConfig | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (float32 scalar) of int tokens [B, T]: position t predicts token t + 1.
+
+    Differentiable in the params: `jax.grad(loss)(params, tokens, config)`. Takes a `pj.Model` or a params
+    pytree with its `config`.
+    """
+    if isinstance(model_or_params, Model):
+        params, config = model_or_params.params, config or model_or_params.config
+    else:
+        params = model_or_params
+    if config is None:
+        raise ConfigError("loss(params, tokens) needs config=ModelConfig(...) when given a params pytree")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    if tokens.ndim != 2 or tokens.shape[1] < 2:
+        raise RequestError(f"tokens must be an integer array [B, T] with T >= 2, got shape {tokens.shape}")
+    return next_token_loss(params, config, tokens)
+
+
+@partial(jax.jit, static_argnames="config")
+def next_token_loss(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """`loss` without the checks, jitted: one compiled program per shape whether called eagerly or under grad."""
+    return cross_entropy(forward_logits(params, config, tokens[:, :-1]), tokens[:, 1:])

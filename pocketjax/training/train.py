@@ -5,7 +5,7 @@ This module trains one through the very `forward_logits` the engine serves (so w
 loaded), and writes it as a complete Hugging Face folder that transformers loads as-is — the embedded model is
 checked against the same reference code as released Qwen checkpoints.
 
-    taskset -c 1 python -m pocketjax.train --tiny --out pocketjax/assets/pocket-coder   # ~35 min on one core
+    taskset -c 1 python -m pocketjax.training.train --tiny --out pocketjax/assets/pocket-coder   # ~35 min on one core
 
 rebuilds the committed asset (1200 steps, seed 0; add --minutes M to fit a budget instead).
 
@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .checkpoint import LAYER_TENSORS, expected_shapes, write_safetensors
-from .config import ModelConfig
-from .errors import ConfigError, RequestError
-from .model import Model, Params, forward_logits
+from ..model.checkpoint import LAYER_TENSORS, expected_shapes, write_safetensors
+from ..model.config import ModelConfig
+from ..errors import ConfigError, RequestError
+from ..model.decoder import Model, Params, cross_entropy, forward_logits, loss, next_token_loss
 
 # The embedded model's recipe, sized by measurement: one shared CPU core trains ~700 tokens/s at this size, so
 # 30 minutes buy ~1.3M tokens. Four layers and a 4096 vocabulary (a cheap output layer) see more tokens in that
@@ -102,38 +102,7 @@ def count_params(params: Params) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Loss and optimizer
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean float32 cross-entropy of logits [..., V] against integer targets [...]."""
-    logits = logits.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
-
-
-def loss(model_or_params: Model | Params, tokens: jax.Array, config: ModelConfig | None = None) -> jax.Array:
-    """Mean next-token cross-entropy (float32 scalar) of int tokens [B, T]: position t predicts token t + 1.
-
-    Differentiable in the params: `jax.grad(loss)(params, tokens, config)`. Takes a `pj.Model` or a params
-    pytree with its `config`.
-    """
-    if isinstance(model_or_params, Model):
-        params, config = model_or_params.params, config or model_or_params.config
-    else:
-        params = model_or_params
-    if config is None:
-        raise ConfigError("loss(params, tokens) needs config=ModelConfig(...) when given a params pytree")
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise RequestError(f"tokens must be an integer array [B, T] with T >= 2, got shape {tokens.shape}")
-    return next_token_loss(params, config, tokens)
-
-
-@partial(jax.jit, static_argnames="config")
-def next_token_loss(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
-    """`loss` without the checks, jitted: one compiled program per shape whether called eagerly or under grad."""
-    return cross_entropy(forward_logits(params, config, tokens[:, :-1]), tokens[:, 1:])
+# Optimizer
 
 
 def decay_mask(params: Params) -> Any:
@@ -445,7 +414,7 @@ def train_tiny(out: Path, minutes: float | None, recipe: dict[str, Any], arch: d
             "train_tokens_per_epoch": int(train_tokens), "train_seconds": round(train_s, 1),
             "final_train_loss": history[-1]["loss"], "held_out_loss": held_loss,
             "held_out_perplexity": math.exp(held_loss), "samples": samples,
-            "command": f"python -m pocketjax.train --tiny --out {out} --steps {steps_done}",
+            "command": f"python -m pocketjax.training.train --tiny --out {out} --steps {steps_done}",
             "jax_version": jax.__version__, "history": history,
         }
         save_checkpoint(params, config_dict, out, tokenizer_dir=tmp)
@@ -478,7 +447,7 @@ def model_card(name: str, report: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pocketjax.train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pocketjax.training.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", required=True,
                         help="the embedded-model recipe: BPE tokenizer + small Qwen3 trained on the Python stdlib")
     parser.add_argument("--out", required=True, type=Path, help="output Hugging Face folder")

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pocketjax.errors import SamplingError
+from ..errors import SamplingError
 
 MAX_LOGPROBS = 20  # most top-n logprobs a request may ask for (OpenAI's limit)
 NUM_CANDIDATES = 256  # tokens per row the filtering fast path inspects; top_k above it takes the exact fallback
@@ -178,27 +178,6 @@ def apply_penalties(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.
     seen = prompt_mask | (output_counts > 0)
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
     return logits - arrays.presence_penalty[:, None] * (counts > 0) - arrays.frequency_penalty[:, None] * counts
-
-
-def update_output_counts(output_counts: jax.Array, tokens: jax.Array, active: jax.Array) -> jax.Array:
-    """Returns i32[S, V] counts with 1 added at each active row's new token (the frequency/presence state)."""
-    rows = jnp.arange(output_counts.shape[0])
-    return output_counts.at[rows, tokens].add(active.astype(output_counts.dtype))
-
-
-def add_to_prompt_mask(mask_rows: jax.Array, tokens: jax.Array, valid: jax.Array) -> jax.Array:
-    """Returns bool[B, V] `mask_rows` with every valid token of `tokens` [B, T] set, so a chunked prefill can OR
-    each chunk of a prompt into its slot's row."""
-    vocab = mask_rows.shape[1]
-    rows = jnp.broadcast_to(jnp.arange(tokens.shape[0])[:, None], tokens.shape)
-    cols = jnp.where(valid, tokens, vocab)  # an index past the end is dropped: invalid positions write nothing
-    return mask_rows.at[rows, cols].set(True, mode="drop")
-
-
-def prompt_mask_from_tokens(tokens: jax.Array, lengths: jax.Array, vocab_size: int) -> jax.Array:
-    """Returns bool[B, V]: which tokens appear in the first `lengths[b]` tokens of each prompt row."""
-    valid = jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]
-    return add_to_prompt_mask(jnp.zeros((tokens.shape[0], vocab_size), bool), tokens, valid)
 
 
 @partial(jax.jit, static_argnames=("num_top", "num_candidates"))

@@ -6,163 +6,27 @@ The token budget bounds how long a long prompt can hold up the running decodes: 
 
 Pipelined (the default), a step queues decode step N+1, fed step N's tokens on device, before it reads step N's
 tokens, so the host's delivery work (detokenizing, stop strings, waking readers) runs while the device computes.
-A request that step N ends (a stop token or stop string) has its row of step N+1 discarded by the engine.
+A request that step N ends (a stop token or stop string) has its row of step N+1 discarded by the engine. The
+scheduler is the one owner of this policy: the engine only dispatches (`after=` the step whose tokens feed the
+next) and collects, in order.
 
 Only the thread that runs `step()` touches the engine. Other threads submit and cancel under one Condition,
 which the background loop sleeps on when there is nothing to do.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from .engine import BatchedRequest, Completion, Engine, PendingDecode
-from .errors import CapacityError, ConfigError, PocketJaxError, RequestError
-from .sampling import SamplingParams
-from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
-
-
-class RequestHandle:
-    """A submitted request: stream its tokens (sync or async), wait for its Completion, or cancel it.
-
-    Tokens and text pieces are kept in lists rather than queues so several readers (a token stream, a text
-    stream, result()) can follow one request independently.
-    """
-
-    def __init__(self, scheduler: Scheduler, request: BatchedRequest, tokenizer: Tokenizer | None):
-        self.request = request
-        self._scheduler = scheduler
-        self._cond = threading.Condition()
-        self._tokens: list[int] = []
-        self._pieces: list[str] = []
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self._completion: Completion | None = None
-        self._error: BaseException | None = None
-        self.cancel_requested = False
-        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_tokens) if tokenizer else None
-        self._matcher = StopStringMatcher(request.sampling.stop) if tokenizer else None
-
-    @property
-    def request_id(self) -> Any:
-        return self.request.request_id
-
-    @property
-    def cached_prefix_len(self) -> int:
-        """Prompt tokens this request found already cached in the engine (prefix reuse) when it was admitted."""
-        return self.request.cached_prefix_len
-
-    # ---- caller side -------------------------------------------------------------------------------------------
-    def done(self) -> bool:
-        """True once the request finished, failed or was cancelled."""
-        return self._completion is not None or self._error is not None
-
-    def cancel(self) -> None:
-        """Stop generating: a waiting request leaves the queue now, a running one frees its slot at the next step."""
-        self._scheduler.cancel(self)
-
-    def result(self, timeout: float | None = None) -> Completion:
-        """Block until the request ends; raises its error if it failed, TimeoutError if `timeout` passes first."""
-        with self._cond:
-            if not self._cond.wait_for(self.done, timeout):
-                raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._completion
-
-    def __iter__(self) -> Iterator[int]:
-        """Token ids as they are produced; raises the request's error at the end if it failed."""
-        return self._follow(self._tokens)
-
-    def text_stream(self) -> Iterator[str]:
-        """Text pieces as they are produced (whole characters, cut before any stop string); needs a tokenizer."""
-        if self._detok is None:
-            raise ConfigError("text_stream() needs a Scheduler created with a tokenizer")
-        return self._follow(self._pieces)
-
-    def __aiter__(self) -> AsyncIterator[int]:
-        """`async for token in handle`: waits on an asyncio.Event the scheduler sets thread-safely, so no
-        executor thread is parked per stream."""
-        return self._afollow(self._tokens)
-
-    def _follow(self, items: list) -> Iterator:
-        i = 0
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: len(items) > i or self.done())
-                new, finished = items[i:], self.done()  # a finished request's items are all in
-            yield from new
-            i += len(new)
-            if finished:
-                break
-        self._raise_error()
-
-    async def _afollow(self, items: list) -> AsyncIterator:
-        loop = asyncio.get_running_loop()
-        i = 0
-        while True:
-            event = asyncio.Event()
-            with self._cond:
-                new, finished = items[i:], self.done()
-                if not new and not finished:
-                    self._waiters.append((loop, event))
-            if not new and not finished:
-                await event.wait()
-                continue
-            for item in new:
-                yield item
-            i += len(new)
-            if finished:
-                break
-        self._raise_error()
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    # ---- scheduler side ----------------------------------------------------------------------------------------
-    def _push(self, tokens: Sequence[int]) -> bool:
-        """Hand new tokens to readers; returns True when a stop string ended the text (drop later tokens)."""
-        stopped, pieces = False, []
-        for i, token in enumerate(tokens):
-            if self._matcher is not None:
-                pieces.append(self._matcher.add(self._detok.add(token)))
-                if self._matcher.stopped:
-                    tokens, stopped = tokens[: i + 1], True
-                    break
-        with self._cond:
-            self._tokens.extend(tokens)
-            self._pieces.extend(p for p in pieces if p)
-            self._wake()
-        return stopped
-
-    def _finish(self, reason: str | None) -> None:
-        tail = ""
-        if self._matcher is not None and not self._matcher.stopped:
-            tail = self._matcher.add(self._detok.flush()) + self._matcher.flush()
-        req = self.request
-        with self._cond:
-            if tail:
-                self._pieces.append(tail)
-            text = "".join(self._pieces) if self._detok is not None else None
-            self._completion = Completion(list(self._tokens), text, reason, req.logprobs[: len(self._tokens)],
-                                          list(req.prompt_tokens), req.request_id)
-            self._wake()
-
-    def _fail(self, error: BaseException) -> None:
-        with self._cond:
-            self._error = error
-            self._wake()
-
-    def _wake(self) -> None:
-        """Wake sync readers and async readers; called with self._cond held."""
-        self._cond.notify_all()
-        for loop, event in self._waiters:
-            loop.call_soon_threadsafe(event.set)
-        self._waiters.clear()
+from ..engine.engine import Engine, PendingDecode
+from ..engine.request import BatchedRequest, RequestStatus
+from ..engine.sampling import SamplingParams
+from ..errors import CapacityError, ConfigError, PocketJaxError, RequestError
+from .handle import RequestHandle
+from .tokenizer import StopStringMatcher, Tokenizer
 
 
 class Scheduler:
@@ -205,10 +69,10 @@ class Scheduler:
             try:
                 self._check(request)
             except PocketJaxError as error:
-                handle = RequestHandle(self, request, None)
-                handle._fail(error)
+                handle = RequestHandle(request)
+                handle.fail(error)
                 return handle
-            handle = RequestHandle(self, request, self.tokenizer)
+            handle = RequestHandle(request, self.tokenizer, on_cancel=self.cancel)
             self._live[request.request_id] = handle
             self.waiting.append(handle)
             self._cond.notify_all()
@@ -222,7 +86,7 @@ class Scheduler:
             if handle in self.waiting:
                 self.waiting.remove(handle)
                 self._live.pop(handle.request_id, None)
-                handle._finish("cancelled")
+                handle.finish("cancelled")
             else:
                 handle.cancel_requested = True
                 self._cond.notify_all()
@@ -240,8 +104,8 @@ class Scheduler:
             self._retire_cancelled()
             self._admit()
             batch = list(self.running)
-        prefilling = [h for h in batch if h.request.last_token is None]
-        decoding = [h for h in batch if h.request.last_token is not None and not h.request.finished]
+        prefilling = [h for h in batch if h.request.status is RequestStatus.PREFILLING]
+        decoding = [h for h in batch if h.request.status is RequestStatus.DECODING]
         self._run(prefilling, self.engine.batch_prefill, [h.request for h in prefilling],
                   token_budget=self.prefill_token_budget)
         if self.pipeline:
@@ -272,7 +136,7 @@ class Scheduler:
             thread.join()
         with self._cond:
             for handle in self.waiting:
-                handle._finish("cancelled")
+                handle.finish("cancelled")
             self.waiting.clear()
             for handle in self.running:
                 handle.cancel_requested = True
@@ -309,13 +173,13 @@ class Scheduler:
     def _admit(self) -> None:
         """Move waiting requests, oldest first, into free slots (the engine picks the slot with the longest
         cached prefix of the prompt). Holds `self._cond`."""
-        while self.waiting and self.engine.free_slots:
+        while self.waiting and self.engine.num_free_slots:
             handle = self.waiting.popleft()
             try:
                 self.engine.allocate_slot(handle.request)
             except PocketJaxError as error:
                 self._live.pop(handle.request_id, None)
-                handle._fail(error)
+                handle.fail(error)
                 continue
             self.running.append(handle)
 
@@ -329,7 +193,7 @@ class Scheduler:
             with self._cond:
                 for handle in [h for h in handles if not h.done()]:  # one that already finished keeps its result
                     self._release(handle)
-                    handle._fail(error)
+                    handle.fail(error)
             return None
 
     def _decode_pipelined(self, handles: list[RequestHandle]) -> None:
@@ -350,7 +214,8 @@ class Scheduler:
             return
         if pending is None:
             pending = self._run(handles, self.engine.decode_dispatch, requests)
-        following = self._run(handles, self.engine.decode_dispatch, requests) if pending is not None else None
+        following = (self._run(handles, self.engine.decode_dispatch, requests, after=pending)
+                     if pending is not None else None)
         if joined:
             self._hand_out(handles)
         if following is not None and self._run(handles, self.engine.decode_collect, pending) is not None:
@@ -367,29 +232,28 @@ class Scheduler:
         if handle.done():
             return
         req = handle.request
-        stopped = handle._push(req.generated_tokens[len(handle._tokens):])
-        if stopped:
-            req.finished, req.finish_reason = True, "stop"
-        if req.finished:
-            self._release(handle)
-            handle._finish(req.finish_reason)
+        stopped = handle.push(req.generated_tokens[handle.num_delivered:])  # True: a stop string ended the text
+        if stopped or req.finished:
+            reason = "stop" if stopped else req.finish_reason
+            self._release(handle, reason)
+            handle.finish(reason)
 
     def _fail_running(self, error: BaseException) -> None:
         with self._cond:
             for handle in list(self.running):
                 self._release(handle)
-                handle._fail(error)
+                handle.fail(error)
 
     def _retire_cancelled(self) -> None:
         """End running requests whose cancel() arrived since the last step. Holds `self._cond`."""
         for handle in [h for h in self.running if h.cancel_requested]:
             self._release(handle)
-            handle._finish("cancelled")
+            handle.finish("cancelled")
 
-    def _release(self, handle: RequestHandle) -> None:
-        """Give a running request's slot back to the engine. Holds `self._cond`."""
-        handle.request.finished = True  # the engine drops its token of a decode step already in flight
+    def _release(self, handle: RequestHandle, reason: str = "cancelled") -> None:
+        """Give a running request's slot back to the engine, which ends it with `reason` if it is unfinished (its
+        rows in decode steps in flight are then dropped). Holds `self._cond`."""
         if handle in self.running:
             self.running.remove(handle)
-            self.engine.free_slot(handle.request_id)
+            self.engine.free_slot(handle.request_id, reason)
         self._live.pop(handle.request_id, None)

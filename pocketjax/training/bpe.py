@@ -16,7 +16,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
-from pocketjax.tokenizer import Tokenizer
+from ..serve.tokenizer import Tokenizer
 
 # Qwen2's pre-tokenizer regex (tokenizer.json of every Qwen2/2.5/3 checkpoint): digits split one by one,
 # letters grouped with at most one leading non-letter, newlines kept apart from other whitespace.

@@ -13,18 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")  # stored with per-token, per-kv-head float32 scales
-KV_DTYPES = DTYPES + QUANTIZED_KV_DTYPES
-
-
-def check_kv_dtype(kv_dtype: str | None) -> None:
-    """ConfigError for a KV cache dtype pocketjax cannot store (None: the model's own dtype)."""
-    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-        raise ConfigError(f"kv_dtype={kv_dtype!r} is not supported (supported: {', '.join(KV_DTYPES)})")
 ROPE_TYPES = ("default", "linear", "yarn")
 
 
@@ -251,23 +243,3 @@ def yarn_frequencies(config: ModelConfig, pos_freqs: np.ndarray, factor: float) 
     inv_inter = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
     inv_freq = inv_inter * (1 - extrapolation_factor) + inv_extra * extrapolation_factor
     return inv_freq.astype(np.float32), float(attention_factor)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How an Engine sizes its cache and its compiled shapes (every bucket derives from these numbers)."""
-
-    max_batch_size: int = 8
-    max_seq_len: int = 2048
-    prefill_chunk: int = 512
-    attention_impl: str = "auto"
-    min_kv_bucket: int = 128
-    min_prefill_bucket: int = 16
-    kv_dtype: str | None = None  # None: the model's dtype; "int8" / "float8_e4m3fn": quantized with scales
-
-    def validate(self) -> None:
-        for name in ("max_batch_size", "max_seq_len", "prefill_chunk", "min_kv_bucket", "min_prefill_bucket"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-        check_kv_dtype(self.kv_dtype)

@@ -49,7 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .config import ModelConfig
-from .errors import ConfigError
+from ..errors import ConfigError
 from .kv_cache import QMAX, KVCache, init_cache
 from .quant import QUANTIZED
 

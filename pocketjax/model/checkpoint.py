@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 
 from .config import ModelConfig
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .quant import CheckpointScheme, checkpoint_scheme
 
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {

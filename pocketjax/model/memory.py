@@ -27,8 +27,9 @@ import numpy as np
 
 from . import quant
 from .checkpoint import LAYER_TENSORS, expected_shapes
-from .config import DTYPES, QUANTIZED_KV_DTYPES, ModelConfig, check_kv_dtype
-from .errors import ConfigError
+from .config import DTYPES, ModelConfig
+from .kv_cache import QUANTIZED_KV_DTYPES, check_kv_dtype
+from ..errors import ConfigError
 
 GiB = 1024**3
 ATTENTION = ("pallas", "xla")

@@ -7,20 +7,33 @@ import logging
 import sys
 import time
 
-from .config import KV_DTYPES
-from .quant import MODES
-from .sampling import SamplingParams
+from ..engine.config import EngineConfig
+from ..engine.sampling import SamplingParams
+from ..model.config import DTYPES
+from ..model.kv_cache import KV_DTYPES
+from ..model.layers import ATTENTION_IMPLS
+from ..model.quant import MODES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the embedded model)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=None, choices=DTYPES)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"])
     p.add_argument("--quantize", default=None, choices=sorted(MODES), help="weight-only quantization at load")
-    p.add_argument("--kv-dtype", default=None, choices=KV_DTYPES, help="KV cache dtype (default: the model's)")
+    engine = p.add_argument_group("engine (EngineConfig; unset: its defaults)")
+    engine.add_argument("--max-seq-len", dest="max_seq_len", type=int)
+    engine.add_argument("--max-batch-size", dest="max_batch_size", type=int)
+    engine.add_argument("--prefill-chunk", dest="prefill_chunk", type=int)
+    engine.add_argument("--attention", dest="attention_impl", choices=ATTENTION_IMPLS)
+    engine.add_argument("--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, help="KV cache dtype (default: the model's)")
+
+
+ENGINE_OPTIONS = ("max_seq_len", "max_batch_size", "prefill_chunk", "attention_impl", "kv_dtype")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig the flags ask for: only flags given override its defaults."""
+    return EngineConfig.of(**{k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None})
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -41,8 +54,7 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 
 def make_llm(args: argparse.Namespace):
     from .llm import LLM
-    return LLM(args.model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, dtype=args.dtype,
-               tp=args.tp, attention_impl=args.attention, quantize=args.quantize, kv_dtype=args.kv_dtype)
+    return LLM(args.model, engine_config(args), dtype=args.dtype, tp=args.tp, quantize=args.quantize)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -92,24 +104,23 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_info(args: argparse.Namespace) -> int:
     import jax
 
-    from .model import load_model
+    from ..model.decoder import load_model
+    from ..model.layers import resolve_impl
+    from ..model.memory import plan_memory
     from .llm import DEFAULT_MODEL
-    from .layers import resolve_impl
     model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp, quantize=args.quantize)
+    config = engine_config(args)
     c = model.config
     info = {
         "path": model.path, "model_type": c.model_type, "layers": c.num_layers, "hidden": c.hidden_size,
         "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
         "parameters": c.num_params(), "dtype": str(model.dtype), "rope": c.rope.rope_type,
-        "devices": [str(d) for d in jax.devices()], "attention": resolve_impl(args.attention),
+        "devices": [str(d) for d in jax.devices()],
+        "attention": resolve_impl(config.attention_impl, config.kv_dtype),
+        "memory_plan": plan_memory(c, tp=args.tp, dtype=str(model.dtype), quantize=args.quantize,
+                                   kv_dtype=config.kv_dtype, slots=config.max_batch_size,
+                                   max_seq_len=config.max_seq_len).as_dict(),
     }
-    try:
-        from .memory import plan_memory
-        info["memory_plan"] = plan_memory(c, tp=args.tp, dtype=str(model.dtype), quantize=args.quantize,
-                                          kv_dtype=args.kv_dtype, slots=args.max_batch_size,
-                                          max_seq_len=args.max_seq_len).as_dict()
-    except ImportError:
-        pass
     print(json.dumps(info, indent=2))
     return 0
 
@@ -117,7 +128,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import runpy
     from pathlib import Path
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_engine.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_engine.py"
     if not script.exists():
         print("benchmarks/bench_engine.py is not available in this installation", file=sys.stderr)
         return 2

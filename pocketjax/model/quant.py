@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import ModelConfig
-from .errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError
 
 MODES = {"int8": (8, False), "int4": (4, False), "int8+head": (8, True), "int4+head": (4, True)}
 GROUP_SIZE = 128

@@ -1,0 +1,59 @@
+"""What a request is, as the engine and the layers above it see it: its status, its tokens, its end.
+
+The engine owns every transition of `status` (allocate_slot: PREFILLING; the last prompt chunk's token: DECODING;
+a stop token, the length limit or `free_slot`: FINISHED), so a caller reads the phase instead of inferring it.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # created, holds no slot
+    PREFILLING = "prefilling"  # holds a slot; prompt tokens still to write
+    DECODING = "decoding"  # prompt cached, first token out; one token per decode step
+    FINISHED = "finished"  # ended (finish_reason says why); no later step delivers to it
+
+
+@dataclass
+class BatchedRequest:
+    """One request as the engine sees it; the engine fills slot_id .. finish_reason as it runs."""
+
+    request_id: Any
+    prompt_tokens: Sequence[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    slot_id: int | None = None
+    cached_prefix_len: int = 0
+    generated_tokens: list[int] = field(default_factory=list)
+    last_token: int | None = None
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" once FINISHED
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    num_prefilled: int = 0  # prompt tokens whose K/V are in the slot (cached prefix included)
+    seed: int | None = None  # resolved seed (sampling.seed, or drawn by the engine)
+    in_flight: int = 0  # decode steps dispatched for it whose tokens are not collected yet
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: str) -> None:
+        """End the request (engine side): later steps drop its rows and deliver nothing to it."""
+        if not self.finished:
+            self.status, self.finish_reason = RequestStatus.FINISHED, reason
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished request: generated token ids, their text (when a tokenizer is at hand), and why it stopped."""
+
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
+    prompt_tokens: list[int] = field(default_factory=list)
+    request_id: Any = None

@@ -1,0 +1,71 @@
+"""The slot table: which request holds which KV-cache slot, and which tokens each slot's cache holds.
+
+A freed slot keeps its tokens until it is taken again, so a request that starts with the same tokens (the next turn
+of a conversation, a shared system prompt) finds them cached: `allocate` picks the free slot with the longest
+common prefix, and names a donor slot (free or held) whose longer prefix the engine copies on device.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CapacityError, RequestError
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+@dataclass(frozen=True)
+class Allocation:
+    slot: int
+    cached: int  # prompt tokens whose K/V the slot will hold before prefill starts
+    donor: int | None = None  # copy the first `cached` positions of this slot into `slot` first
+
+
+class SlotTable:
+    """Host bookkeeping of the cache's slots (no device arrays: the Engine does the copies)."""
+
+    def __init__(self, num_slots: int):
+        self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose K/V each slot holds
+        self.free: list[int] = list(range(num_slots))  # least recently freed first
+        self.owner: dict[Any, int] = {}  # request_id -> slot
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def slot_of(self, request_id: Any) -> int | None:
+        return self.owner.get(request_id)
+
+    def allocate(self, request_id: Any, prompt: Sequence[int] | None = None) -> Allocation:
+        """Take a free slot for request_id; with its prompt, the one (and donor) that caches most of it."""
+        if request_id in self.owner:
+            raise RequestError(f"request_id {request_id!r} already holds slot {self.owner[request_id]}")
+        if not self.free:
+            raise CapacityError(f"no free slot: all {len(self)} slots are held")
+        alloc = Allocation(self.free[0], 0)
+        if prompt is not None:
+            usable = len(prompt) - 1  # the last prompt token is always run: it yields the first token's logits
+            matches = {s: min(common_prefix(self.tokens[s], prompt), usable) for s in self.free}
+            slot = max(self.free, key=lambda s: matches[s])  # max keeps the first (LRU) on ties
+            donor = max(range(len(self)), key=lambda s: common_prefix(self.tokens[s], prompt))
+            donor_len = min(common_prefix(self.tokens[donor], prompt), usable)
+            alloc = (Allocation(slot, donor_len, donor) if donor_len > matches[slot]
+                     else Allocation(slot, max(matches[slot], 0)))
+        self.tokens[alloc.slot] = list(prompt[: alloc.cached]) if prompt is not None else []
+        self.free.remove(alloc.slot)
+        self.owner[request_id] = alloc.slot
+        return alloc
+
+    def release(self, request_id: Any) -> int:
+        """Give request_id's slot back; its cached tokens stay reusable. Returns the slot."""
+        if request_id not in self.owner:
+            raise RequestError(f"request_id {request_id!r} holds no slot")
+        slot = self.owner.pop(request_id)
+        self.free.append(slot)
+        return slot

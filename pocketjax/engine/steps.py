@@ -1,0 +1,98 @@
+"""The device side of the engine: jitted, buffer-donating step functions and the per-slot penalty state.
+
+Each takes everything it reads as arguments and returns the updated state; the cache (and the penalty state) is
+donated, so XLA updates it in place and no step copies it. The forward steps and the sampler are separate jitted
+calls, chained on device without a host sync: the sampler then compiles once per batch bucket instead of once per
+(batch, chunk, attention length) shape. Every shape comes from `bucket`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from ..model.config import ModelConfig
+from ..model.decoder import decode_forward, prefill_forward
+from ..model.kv_cache import KVCache, copy_prefix
+from .sampling import SampleOutput, SamplingArrays, sample
+
+
+def bucket(n: int, smallest: int, largest: int) -> int:
+    """The compiled size for n: the next power of two >= max(n, smallest), capped at `largest`."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return min(size, largest)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Penalties:
+    """Per-slot sampling state on device: the prompt's tokens and the generated-token counts.
+
+    Updates address slots; a row aimed at slot `num_slots` (padding, inactive) is dropped.
+    """
+
+    prompt_mask: jax.Array  # bool [slots, vocab]: tokens of each slot's prompt (repetition penalty)
+    output_counts: jax.Array  # int32 [slots, vocab]: generated-token counts (presence/frequency penalty)
+
+    @classmethod
+    def zeros(cls, slots: int, vocab: int) -> Penalties:
+        return cls(jnp.zeros((slots, vocab), bool), jnp.zeros((slots, vocab), jnp.int32))
+
+    @property
+    def num_slots(self) -> int:
+        return self.prompt_mask.shape[0]
+
+    def restart(self, slots: jax.Array, prompt_masks: jax.Array) -> Penalties:
+        """A new prompt in each of `slots` [R]: its mask bool [R, vocab] replaces the old one, counts go to 0."""
+        return Penalties(self.prompt_mask.at[slots].set(prompt_masks, mode="drop"),
+                         self.output_counts.at[slots].set(0, mode="drop"))
+
+    def count(self, slots: jax.Array, tokens: jax.Array) -> Penalties:
+        """One more occurrence of tokens [R] in the outputs of slots [R]."""
+        return Penalties(self.prompt_mask, self.output_counts.at[slots, tokens].add(1, mode="drop"))
+
+
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len"), donate_argnames=("cache",))
+def prefill_step(params, cache: KVCache, tokens, slots, starts, lengths, *, config: ModelConfig, impl: str,
+                 kv_len: int) -> tuple[KVCache, jax.Array]:
+    """Write one prompt chunk per row into the cache; logits [B, vocab] of each row's last chunk token."""
+    return prefill_forward(params, config, impl, kv_len, cache, tokens, slots, starts, lengths)
+
+
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "dense"), donate_argnames=("cache",))
+def decode_step(params, cache: KVCache, tokens, slots, positions, active, *, config: ModelConfig, impl: str,
+                kv_len: int, dense: bool) -> tuple[KVCache, jax.Array]:
+    """One token per row. `dense`: row i is slot i for every slot, so attention reads the cache in place."""
+    return decode_forward(params, config, impl, kv_len, cache, tokens, slots, positions, active, dense=dense)
+
+
+@partial(jax.jit, static_argnames=("num_top",), donate_argnames=("penalties",))
+def sample_first(penalties: Penalties, logits, slots, final, prompt_masks, sampling: SamplingArrays, *,
+                 num_top: int) -> tuple[Penalties, SampleOutput]:
+    """First token of rows whose prompt ended (`final`); restarts those slots' penalty state with the new prompt."""
+    zeros = jnp.zeros(prompt_masks.shape, jnp.int32)
+    out = sample(logits, sampling, prompt_masks, zeros, jnp.zeros_like(slots), num_top=num_top)
+    rows = jnp.where(final, slots, penalties.num_slots)
+    return penalties.restart(rows, prompt_masks).count(rows, out.tokens), out
+
+
+@partial(jax.jit, static_argnames=("num_top",), donate_argnames=("penalties",))
+def sample_next(penalties: Penalties, logits, slots, active, steps, sampling: SamplingArrays, *,
+                num_top: int) -> tuple[Penalties, SampleOutput]:
+    """Next token of every active row, with penalties from its slot's state; counts the new tokens."""
+    out = sample(logits, sampling, penalties.prompt_mask[slots], penalties.output_counts[slots], steps,
+                 num_top=num_top)
+    return penalties.count(jnp.where(active, slots, penalties.num_slots), out.tokens), out
+
+
+@partial(jax.jit, donate_argnames=("cache",))
+def copy_slot_prefix(cache: KVCache, src, dst, length) -> KVCache:
+    """Copy the first `length` cached positions of slot src into slot dst (a shared prompt prefix)."""
+    return copy_prefix(cache, src, dst, length)
+
+
+STEP_FUNCTIONS = (prefill_step, decode_step, sample_first, sample_next, copy_slot_prefix)

@@ -1,0 +1,1 @@
+"""The model layer: config, checkpoint reading, layers, the functional decoder, KV cache, quantization, sharding."""

@@ -1,0 +1,164 @@
+"""RequestHandle: the caller's view of one submitted request, and the producer interface that feeds it.
+
+Caller side (any thread): iterate token ids (sync or `async for`), `text_stream()`, `result()`, `cancel()`, `done()`.
+Producer side (the thread that runs the engine: the Scheduler, or your own loop): `push(tokens)` as they are
+generated, then exactly one of `finish(reason)` or `fail(error)`. Tokens and text pieces are kept in lists rather
+than queues, so several readers (a token stream, a text stream, result()) can follow one request independently.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+from ..engine.request import BatchedRequest, Completion
+from ..errors import ConfigError
+from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
+
+
+class RequestHandle:
+    """A submitted request: stream its tokens (sync or async), wait for its Completion, or cancel it."""
+
+    def __init__(self, request: BatchedRequest, tokenizer: Tokenizer | None = None,
+                 on_cancel: Callable[[RequestHandle], None] | None = None):
+        self.request = request
+        self._on_cancel = on_cancel
+        self._cond = threading.Condition()
+        self._tokens: list[int] = []
+        self._pieces: list[str] = []
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+        self._completion: Completion | None = None
+        self._error: BaseException | None = None
+        self.cancel_requested = False
+        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_tokens) if tokenizer else None
+        self._matcher = StopStringMatcher(request.sampling.stop) if tokenizer else None
+
+    @property
+    def request_id(self) -> Any:
+        return self.request.request_id
+
+    @property
+    def cached_prefix_len(self) -> int:
+        """Prompt tokens this request found already cached in the engine (prefix reuse) when it was admitted."""
+        return self.request.cached_prefix_len
+
+    # ---- caller side -------------------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the request finished, failed or was cancelled."""
+        return self._completion is not None or self._error is not None
+
+    def cancel(self) -> None:
+        """Stop generating: a waiting request leaves the queue now, a running one frees its slot at the next step."""
+        if self._on_cancel is not None:
+            self._on_cancel(self)
+        elif not self.done():
+            self.finish("cancelled")
+
+    def result(self, timeout: float | None = None) -> Completion:
+        """Block until the request ends; raises its error if it failed, TimeoutError if `timeout` passes first."""
+        with self._cond:
+            if not self._cond.wait_for(self.done, timeout):
+                raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._completion
+
+    def __iter__(self) -> Iterator[int]:
+        """Token ids as they are produced; raises the request's error at the end if it failed."""
+        return self._follow(self._tokens)
+
+    def text_stream(self) -> Iterator[str]:
+        """Text pieces as they are produced (whole characters, cut before any stop string); needs a tokenizer."""
+        if self._detok is None:
+            raise ConfigError("text_stream() needs a Scheduler created with a tokenizer")
+        return self._follow(self._pieces)
+
+    def __aiter__(self) -> AsyncIterator[int]:
+        """`async for token in handle`: waits on an asyncio.Event the producer sets thread-safely, so no executor
+        thread is parked per stream."""
+        return self._afollow(self._tokens)
+
+    def _follow(self, items: list) -> Iterator:
+        i = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: len(items) > i or self.done())
+                new, finished = items[i:], self.done()  # a finished request's items are all in
+            yield from new
+            i += len(new)
+            if finished:
+                break
+        self._raise_error()
+
+    async def _afollow(self, items: list) -> AsyncIterator:
+        loop = asyncio.get_running_loop()
+        i = 0
+        while True:
+            event = asyncio.Event()
+            with self._cond:
+                new, finished = items[i:], self.done()
+                if not new and not finished:
+                    self._waiters.append((loop, event))
+            if not new and not finished:
+                await event.wait()
+                continue
+            for item in new:
+                yield item
+            i += len(new)
+            if finished:
+                break
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # ---- producer side -----------------------------------------------------------------------------------------
+    @property
+    def num_delivered(self) -> int:
+        """How many token ids `push` has handed to readers so far."""
+        return len(self._tokens)
+
+    def push(self, tokens: Sequence[int]) -> bool:
+        """Hand new tokens to readers; returns True when a stop string ended the text (the producer then finishes
+        the request with "stop"; tokens after the one that completed the stop string are dropped)."""
+        stopped, pieces = False, []
+        for i, token in enumerate(tokens):
+            if self._matcher is not None:
+                pieces.append(self._matcher.add(self._detok.add(token)))
+                if self._matcher.stopped:
+                    tokens, stopped = tokens[: i + 1], True
+                    break
+        with self._cond:
+            self._tokens.extend(tokens)
+            self._pieces.extend(p for p in pieces if p)
+            self._wake()
+        return stopped
+
+    def finish(self, reason: str | None) -> None:
+        """End the request with a Completion of the pushed tokens; readers and result() return."""
+        tail = ""
+        if self._matcher is not None and not self._matcher.stopped:
+            tail = self._matcher.add(self._detok.flush()) + self._matcher.flush()
+        req = self.request
+        with self._cond:
+            if tail:
+                self._pieces.append(tail)
+            text = "".join(self._pieces) if self._detok is not None else None
+            self._completion = Completion(list(self._tokens), text, reason, req.logprobs[: len(self._tokens)],
+                                          list(req.prompt_tokens), req.request_id)
+            self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        """End the request with an error: readers and result() raise it."""
+        with self._cond:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        """Wake sync readers and async readers; called with self._cond held."""
+        self._cond.notify_all()
+        for loop, event in self._waiters:
+            loop.call_soon_threadsafe(event.set)
+        self._waiters.clear()

@@ -1,0 +1,1 @@
+"""Training the embedded model (optax loop, BPE tokenizer builder); not imported by `import pocketjax`."""
