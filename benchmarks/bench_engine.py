@@ -259,7 +259,7 @@ def engine_tokens(engine: Engine, prompt: list[int], gen_len: int) -> tuple[list
     return req.generated_tokens, steps
 
 
-def issue3_checks(model, engine: Engine, prompts: Prompts, args: SimpleNamespace) -> dict:
+def overhead_checks(model, engine: Engine, prompts: Prompts, args: SimpleNamespace) -> dict:
     """(a) engine c=1 vs the minimal loop, per-token latency; (b) engine c=1 step time with max_seq_len doubled.
 
     The runs are interleaved per repeat so that load from other processes hits them alike, and each figure is the
@@ -390,7 +390,7 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace) -> tuple[list[dict], Mo
         print(f"pocketjax c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s "
               f"({rec['decode_step_ms']:.1f} ms/step; warm-up {warmup_s:.1f} s)", flush=True)
     if args.checks:
-        checks = issue3_checks(model, engine, prompts, args)
+        checks = overhead_checks(model, engine, prompts, args)
         c1 = next((r for r in records if r["concurrency"] == 1), None)
         if c1 is None:
             records.append(c1 := {"system": "pocketjax", "dtype": args.dtype, "concurrency": 1})

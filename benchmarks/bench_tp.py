@@ -18,6 +18,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  
 import argparse  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -30,7 +31,6 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bench_engine import Prompts, engine_cycle, model_folder, parse_ints  # noqa: E402
 from benchmarks.presets import PRESETS  # noqa: E402
-from pocketjax.model import sharding  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.steps import decode_step  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
@@ -73,8 +73,18 @@ def all_reduces(engine: Engine, rows: int) -> int:
     z = np.zeros(rows, np.int32)
     hlo = decode_step.lower(engine.model.params, engine.cache, z, z, z, np.ones(rows, bool), config=c,
                             impl=engine.impl, kv_len=engine._kv_bucket(1), dense=rows == engine.num_slots)
-    counts = sharding.count_collectives(hlo.compile().as_text())
-    return sum(n for (op, _), n in counts.items() if op == "all-reduce")
+    ops = re.findall(r"= .+? (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                     hlo.compile().as_text())
+    return ops.count("all-reduce")
+
+
+def per_device_bytes(tree) -> dict:
+    """Bytes each device holds for the arrays of a pytree (params, cache)."""
+    total: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
+    return total
 
 
 def bench_tp(folder: Path, tp: int, args: SimpleNamespace) -> list[dict]:
@@ -83,8 +93,8 @@ def bench_tp(folder: Path, tp: int, args: SimpleNamespace) -> list[dict]:
     max_seq_len = max(128, 1 << (args.prompt_len + args.gen_len - 1).bit_length())
     engine = Engine(model, max_batch_size=max(args.concurrency), max_seq_len=max_seq_len,
                     prefill_chunk=max(16, args.prompt_len), attention_impl=args.attention)
-    params = sharding.per_device_bytes(model.params)
-    cache = sharding.per_device_bytes(engine.cache)
+    params = per_device_bytes(model.params)
+    cache = per_device_bytes(engine.cache)
     prompts = Prompts(model.config.vocab_size)
     records = []
     for c in args.concurrency:

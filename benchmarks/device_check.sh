@@ -16,11 +16,13 @@ echo "== environment" | tee "$OUT/summary.txt"
 timeout 60 "$PY" - <<'EOF' 2>&1 | tee "$OUT/env.txt" | tee -a "$OUT/summary.txt"
 import jax, jaxlib
 from pallas_kernels import tuning
+from pocketjax.model.layers import resolve_impl
 d = jax.devices()[0]
 print("jax", jax.__version__, "jaxlib", jaxlib.__version__)
 print("device", d.platform, d.device_kind, "cc", getattr(d, "compute_capability", None),
       "SMs", getattr(d, "core_count", None))
-print("target", tuning.target(d), "| auto ->", tuning.resolve_attention_impl("auto", d))
+print("target", tuning.target(d), "| auto ->", resolve_impl("auto", device=d),
+      "| Pallas Triton:", tuning.triton_unsupported(d) or "supported")
 print("decode blocks bf16 D=128:", tuning.block_sizes("decode", 128, "bfloat16", d))
 print("prefill blocks bf16 D=128:", tuning.block_sizes("prefill", 128, "bfloat16", d))
 EOF

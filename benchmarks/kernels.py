@@ -23,6 +23,7 @@ import numpy as np
 
 from pallas_kernels import decode_attention, prefill_attention, reference, tuning
 from pocketjax.model.kv_cache import quantize
+from pocketjax.model.layers import resolve_impl
 
 
 def _time(fn, *args, repeats: int) -> float:
@@ -182,7 +183,8 @@ def main() -> None:
                 heads=[q_heads, kv_heads], head_dim=d, dtype=str(dtype), quick=quick,
                 decode_block=tuning.block_sizes("decode", d, dtype, "cpu" if interpret else device),
                 prefill_block=tuning.block_sizes("prefill", d, dtype, "cpu" if interpret else device),
-                attention_impl=tuning.resolve_attention_impl("auto", device), peaks=peaks)
+                attention_impl=resolve_impl("auto", device=device),
+                triton_unsupported=tuning.triton_unsupported(device), peaks=peaks)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)

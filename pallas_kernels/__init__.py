@@ -1,6 +1,7 @@
 """Pallas attention kernels (Triton GPU backend, interpret mode on CPU) and their plain-JAX references.
 
-Pick the implementation with `tuning.resolve_attention_impl`; `reference` is the "xla" path.
+`tuning` holds the block presets per GPU and says whether a device can run the kernels
+(`tuning.triton_unsupported`); `reference` has the same signatures in plain JAX.
 """
 from pallas_kernels import reference, tuning
 from pallas_kernels.decode_attention import decode_attention

@@ -9,14 +9,12 @@ holds the cached prefix and the new tokens' K/V.
 Blocks are walked from key 0: blocks entirely at or below the first query row's position run with no
 mask; the ones crossing the diagonal (or the end of the sequence) are masked; blocks above the last
 valid row's position and query blocks past q_lengths[b] are skipped, never loaded. Padding rows
-(i >= q_lengths[b]) come out as zeros. Layout rules (power-of-two dims, padded head dims, whole cache
-as one block indexed by the slot) are those of decode_attention, whose block step and quantized-cache
-handling (k_scale / v_scale) this file reuses.
+(i >= q_lengths[b]) come out as zeros. Cache layout, head-dim padding, the block step and quantized
+caches (k_scale / v_scale) are shared with decode_attention: see `blocks`.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +22,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tuning
-from pallas_kernels.decode_attention import attend_block, cache_operands, init_carry, load_kv, normalize
+from pallas_kernels.blocks import attend_block, cache_operands, init_carry, load_kv, normalize, softmax_scale_log2
 from pallas_kernels.reference import compute_dtype
 
-_LOG2E = math.log2(math.e)
 
-
-def _prefill_kernel(slots_ref, starts_ref, q_lengths_ref, q_ref, *refs, scale_log2: float, block_q: int,
-                    group: int, block_k: int, head_dim: int):
-    """q_ref, o_ref [block_q * group, Dp] token-major rows; refs = k_ref, v_ref [S_cache, T_pad, Dp]
-    (+ k/v scale refs [S_cache, T_pad] for a quantized cache), then o_ref."""
+def _prefill_kernel(
+    slots_ref,      # int32 [1]: the cache row of this sequence
+    starts_ref,     # int32 [1]: position of its first new token
+    q_lengths_ref,  # int32 [1]: its number of new tokens
+    q_ref,          # [block_q * group, Dp]: token-major rows (token r // group, head r % group)
+    *refs,          # k_ref, v_ref [S_cache, T_pad, Dp] of this kv head (+ k/v scale refs [S_cache, T_pad]),
+                    # then o_ref [block_q * group, Dp]
+    scale_log2: float,
+    block_q: int,
+    group: int,
+    block_k: int,
+    head_dim: int,
+):
+    """Causal attention of query block program_id(2) over the keys its valid rows see; padding rows get zeros."""
     *kv_refs, o_ref = refs
     slot, start, q_len = slots_ref[0], starts_ref[0], q_lengths_ref[0]
     rows, dp = q_ref.shape
@@ -62,6 +68,46 @@ def _prefill_kernel(slots_ref, starts_ref, q_lengths_ref, q_ref, *refs, scale_lo
     o_ref[...] = jnp.where((token < q_len)[:, None], o, 0.0).astype(o_ref.dtype)
 
 
+def _prefill_call(
+    slots,      # int32 [B], in [0, S_cache)
+    starts,     # int32 [B], in [0, T]
+    q_lengths,  # int32 [B], in [0, min(Tq, T - starts)]
+    qg,         # [B, kv_heads, n_q * block_q * group, Dp]: token-major rows per kv head
+    k_cache,    # [S_cache, kv_heads, T, D]
+    v_cache,    # [S_cache, kv_heads, T, D]
+    k_scale,    # float32 [S_cache, kv_heads, T], or None
+    v_scale,    # float32 [S_cache, kv_heads, T], or None
+    *,
+    out_dtype,
+    scale_log2: float,
+    block_q: int,
+    group: int,
+    block_k: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+):
+    """[B, kv_heads, n_q * block_q * group, Dp] in out_dtype, from grid (B, kv_heads, n_q query blocks)."""
+    b, kv_heads, n_rows, dp = qg.shape
+    t_pad = pl.cdiv(k_cache.shape[2], block_k) * block_k
+    cache, cache_specs = cache_operands(k_cache, v_cache, k_scale, v_scale, t_pad, dp,
+                                        lambda i, h, j: (0, h, 0, 0))
+    row_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))
+    tile_spec = pl.BlockSpec((None, None, block_q * group, dp), lambda i, h, j: (i, h, j, 0))
+    kernel = functools.partial(_prefill_kernel, scale_log2=scale_log2, block_q=block_q, group=group,
+                               block_k=block_k, head_dim=k_cache.shape[3])
+    return pl.pallas_call(
+        kernel,
+        grid=(b, kv_heads, n_rows // (block_q * group)),
+        in_specs=[row_spec, row_spec, row_spec, tile_spec, *cache_specs],
+        out_specs=tile_spec,
+        out_shape=jax.ShapeDtypeStruct(qg.shape, out_dtype),
+        compiler_params=tuning.compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="pocketjax_prefill_attention",
+    )(slots, starts, q_lengths, qg, *cache)
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "block_q", "block_k", "interpret"))
 def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, block_q=None,
                       block_k=None, interpret=False, slots=None, k_scale=None, v_scale=None):
@@ -84,8 +130,6 @@ def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, 
     bk = tuning.next_pow2(block_k or cfg["block_k"])
     bk = max(16, min(bk, tuning.next_pow2(t)))
     n_q = pl.cdiv(tq, bq)
-    t_pad = pl.cdiv(t, bk) * bk
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
 
     # Clamped so bad rows, starts or lengths can never make the GPU read outside the cache.
     slots = jnp.arange(b) if slots is None else slots
@@ -96,21 +140,8 @@ def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, 
     qg = jnp.pad(qg, ((0, 0), (0, n_q * bq - tq), (0, 0), (0, gp - g), (0, dp - d)))
     qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, n_q * bq * gp, dp)
 
-    row_spec = pl.BlockSpec((1,), lambda i, h, j: (i,))
-    cache, cache_specs = cache_operands(k_cache, v_cache, k_scale, v_scale, t_pad, dp,
-                                        lambda i, h, j: (0, h, 0, 0))
-    tile_spec = pl.BlockSpec((None, None, bq * gp, dp), lambda i, h, j: (i, h, j, 0))
-    kernel = functools.partial(_prefill_kernel, scale_log2=scale * _LOG2E, block_q=bq, group=gp,
-                               block_k=bk, head_dim=d)
-    o = pl.pallas_call(
-        kernel,
-        grid=(b, kv_heads, n_q),
-        in_specs=[row_spec, row_spec, row_spec, tile_spec, *cache_specs],
-        out_specs=tile_spec,
-        out_shape=jax.ShapeDtypeStruct(qg.shape, q.dtype),
-        compiler_params=tuning.compiler_params(cfg["num_warps"], cfg["num_stages"]),
-        interpret=interpret,
-        name="pocketjax_prefill_attention",
-    )(slots, starts, q_lengths, qg, *cache)
+    o = _prefill_call(slots, starts, q_lengths, qg, k_cache, v_cache, k_scale, v_scale, out_dtype=q.dtype,
+                      scale_log2=softmax_scale_log2(sm_scale, d), block_q=bq, group=gp, block_k=bk,
+                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret)
     o = o.reshape(b, kv_heads, n_q * bq, gp, dp)[:, :, :tq, :g, :d]
     return o.transpose(0, 2, 1, 3, 4).reshape(b, tq, q_heads, d)

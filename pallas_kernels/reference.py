@@ -5,6 +5,7 @@ HF/Qwen repeat_interleave convention), so K/V are never repeated. Logits and sof
 P is cast to V's dtype for the second matmul (as the kernels do), accumulating in float32.
 Block/interpret arguments are accepted and ignored. With `slots`, the cache rows are gathered first
 (a copy of the selected rows); pass slots=None when cache row s already belongs to query row s.
+The kernels use this module's numerics: `MASK_VALUE`, `precision`, `compute_dtype`.
 
 A quantized cache (int8 / float8 values with float32 scales [S, kv_heads, T], one per token and head) is read
 as it is stored: values are converted to q's dtype (exact: |int8| <= 127 and float8 fit bfloat16's mantissa),
@@ -20,10 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+# Masked logits: finite, so subtracting a row's max never computes inf - inf (NaN).
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _precision(dtype):
+def precision(dtype):
     """float32 gets exact products (the GPU default would be TF32); 16-bit inputs are exact anyway."""
     return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
@@ -44,12 +46,12 @@ def _attend(logits, mask, v, pv_spec, v_scale=None, dtype=None):
     v_scale [.., T] (broadcast like P's last axis) rescales P's columns for a quantized V.
     """
     dtype = dtype or v.dtype
-    logits = jnp.where(mask, logits, _MASK)
+    logits = jnp.where(mask, logits, MASK_VALUE)
     p = jnp.where(mask, jnp.exp(logits - logits.max(axis=-1, keepdims=True)), 0.0)
     denom = p.sum(axis=-1)[..., None]
     pv = p if v_scale is None else p * v_scale
     o = jnp.einsum(pv_spec, pv.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32,
-                   precision=_precision(dtype))
+                   precision=precision(dtype))
     return jnp.where(denom > 0, o / jnp.maximum(denom, 1e-30), 0.0)
 
 
@@ -65,7 +67,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=Non
     k, v = _rows(k_cache, slots, s), _rows(v_cache, slots, s)
     qg = q.reshape(s, kv_heads, q_heads // kv_heads, d).astype(dtype)
     logits = jnp.einsum("skgd,sktd->skgt", qg, k.astype(dtype), preferred_element_type=jnp.float32,
-                        precision=_precision(dtype)) * scale
+                        precision=precision(dtype)) * scale
     vs = None
     if k_scale is not None:
         logits = logits * _rows(k_scale, slots, s)[:, :, None, :]
@@ -90,7 +92,7 @@ def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, 
     k, v = _rows(k_cache, slots, b), _rows(v_cache, slots, b)
     qg = q.reshape(b, tq, kv_heads, q_heads // kv_heads, d).astype(dtype)
     logits = jnp.einsum("bqkgd,bktd->bkgqt", qg, k.astype(dtype), preferred_element_type=jnp.float32,
-                        precision=_precision(dtype)) * scale
+                        precision=precision(dtype)) * scale
     vs = None
     if k_scale is not None:
         logits = logits * _rows(k_scale, slots, b)[:, :, None, None, :]

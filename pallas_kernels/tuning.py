@@ -1,4 +1,4 @@
-"""Block-size presets per GPU target and the choice of attention implementation.
+"""Block-size presets per GPU target, and whether a device can run the Pallas Triton kernels at all.
 
 Targets (a string: "sm75", "sm80", "sm86", "sm90", "cpu"):
   sm75  Turing (T4, RTX 20xx): 64 KiB shared memory, tensor cores for float16 only (no bfloat16
@@ -24,8 +24,8 @@ What runs on SM75 (researched for jax 0.10 / 0.11, no sm75 machine was available
     minimum), sm75 has no bfloat16 MMA, and the Triton backend itself is deprecated since JAX 0.11.
   * Mosaic GPU (the successor backend) targets Hopper (wgmma/TMA); its pre-Hopper path uses cp.async,
     which needs sm80. jax-triton is a separate package that we do not install.
-  So on sm75 (and anything below 8.0) the only path we trust is XLA; "auto" picks it and an explicit
-  "pallas" falls back to it with a reason instead of crashing at compile time.
+  So on sm75 (and anything below 8.0) the only path we trust is XLA: `triton_unsupported` says why, and
+  the caller falls back to XLA attention instead of crashing at compile time.
 """
 from __future__ import annotations
 
@@ -34,8 +34,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
-IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+try:  # the Triton backend is deprecated since JAX 0.11 and may disappear; interpret mode works without it
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:  # pragma: no cover
+    plgpu = None
 
 # Largest dynamic shared memory one block may use, bytes (CUDA occupancy tables).
 SMEM_BYTES = {"sm75": 64 * 1024, "sm80": 163 * 1024, "sm86": 99 * 1024, "sm90": 227 * 1024,
@@ -150,56 +154,37 @@ def block_sizes(kind: str, head_dim: int, dtype, device: Any = None) -> dict:
     return cfg
 
 
+def num_splits_for(slots: int, kv_heads: int, n_blocks: int, cores: int) -> int:
+    """Split-K count: ~2 waves of programs over `cores` SMs, power of two, <= 64, >= 4 blocks each."""
+    if cores <= 0:
+        return 1
+    want = next_pow2(pl.cdiv(2 * cores, slots * kv_heads))
+    return max(1, min(want, 64, n_blocks // 4))
+
+
 def compiler_params(num_warps: int, num_stages: int):
     """Triton launch parameters, or None where this JAX has no Pallas Triton backend."""
-    try:
-        from jax.experimental.pallas import triton as plgpu
-    except ImportError:  # the backend is deprecated since JAX 0.11 and may disappear
+    if plgpu is None:
         return None
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def _triton_available() -> bool:
-    try:
-        from jax.experimental.pallas import triton as plgpu  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def triton_unsupported(device: Any = None, kv_dtype: str | None = None) -> str | None:
+    """Why the Pallas Triton kernels cannot run on `device` over a `kv_dtype` cache; None when they can.
 
-
-def resolve_attention_impl(requested: str, device: Any = None, kv_dtype: str | None = None) -> tuple[str, str]:
-    """(implementation that will run, one-line reason) for a requested attention implementation.
-
-    requested: "auto" | "xla" | "pallas" | "pallas_interpret". The result is "xla", "pallas" or
-    "pallas_interpret". Pallas runs only on CUDA GPUs with compute capability >= 8.0 (>= 8.9 for a
-    float8 KV cache: Triton's e4m3 conversions need Ada/Hopper); elsewhere "pallas" falls back to XLA
-    with the reason in the second element (log it), so an engine config never crashes on an older GPU.
+    They need a CUDA GPU of compute capability >= 8.0 (sm75: see the module docstring), >= 8.9 for a float8
+    cache (Triton's e4m3 conversions need Ada/Hopper), and a JAX that still ships the Triton backend.
     """
-    if requested not in IMPLS:
-        from pocketjax.errors import ConfigError  # lazy: pocketjax may import this package
-
-        raise ConfigError(f"attention_impl must be one of {IMPLS}, got {requested!r}")
-    if requested == "xla":
-        return "xla", "XLA attention requested"
-    if requested == "pallas_interpret":
-        return "pallas_interpret", "Pallas kernels in interpret mode requested (slow; for tests)"
     device = _default_device(device)
-    platform = getattr(device, "platform", "cpu")
-    if platform == "cpu":
-        if requested == "auto":
-            return "xla", "CPU: XLA attention (Pallas GPU kernels would only run interpreted)"
-        return "xla", ("pallas requested on CPU: falling back to XLA attention "
-                       "(use pallas_interpret to run the kernels interpreted)")
     cc = compute_capability(device)
     if cc is None:
-        return "xla", f"{platform} device without a CUDA compute capability: XLA attention"
+        return f"{getattr(device, 'platform', 'cpu')} device without a CUDA compute capability"
     if cc < (8, 0):
-        return "xla", (f"compute capability {cc[0]}.{cc[1]} < 8.0: Pallas Triton kernels are not "
-                       "supported there (jax#26799), using XLA attention")
+        return (f"compute capability {cc[0]}.{cc[1]} < 8.0: Pallas Triton kernels are not supported there "
+                "(jax#26799)")
     if kv_dtype is not None and kv_dtype.startswith("float8") and cc < (8, 9):
-        return "xla", (f"compute capability {cc[0]}.{cc[1]} < 8.9: Triton has no float8 e4m3 "
-                       "conversion there, using XLA attention for the float8 KV cache")
-    if not _triton_available():
-        return "xla", "this JAX has no Pallas Triton backend: XLA attention"
-    return "pallas", (f"compute capability {cc[0]}.{cc[1]}: Pallas Triton kernels "
-                      f"({'auto' if requested == 'auto' else 'requested'})")
+        return (f"compute capability {cc[0]}.{cc[1]} < 8.9: Triton has no float8 e4m3 conversion there "
+                "(float8 KV cache)")
+    if plgpu is None:
+        return "this JAX has no Pallas Triton backend"
+    return None

@@ -24,6 +24,3 @@ class SamplingError(RequestError):
 class CapacityError(PocketJaxError):
     """No free slot, or the waiting queue is full: retry later or raise the limit."""
 
-
-class CancelledError(PocketJaxError):
-    """The request was cancelled before it produced a result."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from pocketjax.model.config import ModelConfig, rope_frequencies
+from pocketjax.model.config import ModelConfig, QuantizationConfig, rope_frequencies
 from pocketjax.model.layers import rope_tables
 from pocketjax.errors import ConfigError
 
@@ -126,3 +126,21 @@ def test_config_json_roundtrip_of_saved_checkpoint(hf_checkpoint):
     raw = json.loads((folder / "config.json").read_text())
     c = ModelConfig.from_folder(folder)
     assert c.head_dim == raw["head_dim"] == 32 and c.hidden_size == 64 and c.num_heads * c.head_dim == 256
+
+
+def test_quantization_config_parsed_once_into_a_typed_scheme():
+    assert ModelConfig.from_dict(QWEN3_06B).quantization is None
+    awq = ModelConfig.from_dict({**QWEN3_06B, "quantization_config": {"quant_method": "AWQ", "w_bit": 4,
+                                                                      "q_group_size": 64, "version": "GEMM"}})
+    assert awq.quantization == QuantizationConfig("awq", 4, 64, zero_offset=0)
+    assert awq == ModelConfig.from_dict(QWEN3_06B)  # storage, not architecture: jitted functions compile once
+    for fmt, offset in (("gptq", 1), ("gptq_v2", 0)):
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": True, "checkpoint_format": fmt}
+        gptq = ModelConfig.from_dict({**QWEN3_06B, "quantization_config": qc}).quantization
+        assert gptq == QuantizationConfig("gptq", 4, -1, zero_offset=offset) and gptq.group_for(96) == 96
+    for change, match in (({"group_size": 0}, "group_size=0"), ({"version": "gemv"}, "version='gemv'"),
+                          ({"zero_point": False}, "zero_point=false")):
+        with pytest.raises(ConfigError, match=match):
+            ModelConfig.from_dict({**QWEN3_06B, "quantization_config": {"quant_method": "awq", "bits": 4} | change})
+    with pytest.raises(ConfigError, match="JSON object"):
+        ModelConfig.from_dict({**QWEN3_06B, "quantization_config": "awq"})

@@ -208,6 +208,8 @@ def test_errors_are_typed_and_engine_keeps_serving(qwen3):
         ([], GREEDY, RequestError, "empty"),
         (list(range(40)), GREEDY, RequestError, "max_seq_len"),
         ([1, 2, model.config.vocab_size], GREEDY, RequestError, "vocabulary"),
+        ([1.5, 2], GREEDY, RequestError, "non-integer token id 1.5"),
+        ([1, True], GREEDY, RequestError, "non-integer token id True"),
         ([1, 2], SamplingParams(temperature=-1.0), SamplingError, "temperature"),
         ([1, 2], SamplingParams(top_p=0.0), SamplingError, "top_p"),
         ([1, 2], SamplingParams(top_k=-1), SamplingError, "top_k"),

@@ -21,7 +21,6 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import reference, tuning
-from pallas_kernels.decode_attention import num_splits_for
 
 GPU_MODE = os.environ.get("POCKETJAX_KERNEL_TEST_MODE", "interpret") == "gpu"
 INTERPRET = not GPU_MODE
@@ -256,37 +255,47 @@ class FakeDevice:
     core_count: int = 40
 
 
-def test_resolve_attention_impl():
+def test_triton_unsupported_says_why():
+    assert "CUDA compute capability" in tuning.triton_unsupported(FakeDevice(platform="cpu"))
+    assert "8.0" in tuning.triton_unsupported(FakeDevice("7.5"))
+    assert tuning.triton_unsupported(FakeDevice("8.6")) is None
+    assert tuning.triton_unsupported(FakeDevice("8.6"), kv_dtype="int8") is None
+    assert "8.9" in tuning.triton_unsupported(FakeDevice("8.6"), kv_dtype="float8_e4m3fn")
+    assert tuning.triton_unsupported(FakeDevice("9.0"), kv_dtype="float8_e4m3fn") is None
+    assert tuning.target(FakeDevice("7.5")) == "sm75" and tuning.target(FakeDevice("8.9")) == "sm86"
+
+
+def test_resolve_impl(caplog):
+    """The engine's dispatch (pocketjax.model.layers) over the kernel facts above: XLA wherever Pallas cannot run."""
     from pocketjax.errors import ConfigError
+    from pocketjax.model.layers import resolve_impl
 
     if INTERPRET:  # the real default device of a CPU run
-        assert tuning.resolve_attention_impl("auto") == tuning.resolve_attention_impl("auto", jax.devices()[0])
-        assert tuning.resolve_attention_impl("auto")[0] == "xla"
+        assert resolve_impl("auto") == resolve_impl("auto", device=jax.devices()[0]) == "xla"
     cpu = FakeDevice(platform="cpu")
-    assert tuning.resolve_attention_impl("auto", cpu)[0] == "xla"
-    assert tuning.resolve_attention_impl("pallas", cpu)[0] == "xla"
-    assert tuning.resolve_attention_impl("xla", cpu)[0] == "xla"
-    assert tuning.resolve_attention_impl("pallas_interpret", cpu)[0] == "pallas_interpret"
-    impl, reason = tuning.resolve_attention_impl("pallas", FakeDevice("7.5"))
-    assert impl == "xla" and "8.0" in reason
-    assert tuning.resolve_attention_impl("auto", FakeDevice("9.0"))[0] == "pallas"
-    assert tuning.resolve_attention_impl("auto", FakeDevice("8.6"))[0] == "pallas"
-    assert tuning.resolve_attention_impl("auto", FakeDevice("8.6"), kv_dtype="int8")[0] == "pallas"
-    impl, reason = tuning.resolve_attention_impl("pallas", FakeDevice("8.6"), kv_dtype="float8_e4m3fn")
-    assert impl == "xla" and "8.9" in reason
-    assert tuning.resolve_attention_impl("auto", FakeDevice("9.0"), kv_dtype="float8_e4m3fn")[0] == "pallas"
-    assert tuning.target(FakeDevice("7.5")) == "sm75" and tuning.target(FakeDevice("8.9")) == "sm86"
+    assert resolve_impl("auto", device=cpu) == "xla"
+    assert resolve_impl("pallas", device=cpu) == "xla"
+    assert resolve_impl("xla", device=cpu) == "xla"
+    assert resolve_impl("pallas_interpret", device=cpu) == "pallas_interpret"
+    with caplog.at_level("INFO", logger="pocketjax"):
+        assert resolve_impl("pallas", device=FakeDevice("7.5")) == "xla"
+    assert "8.0" in caplog.records[-1].getMessage(), "the log line says why"
+    assert resolve_impl("auto", device=FakeDevice("9.0")) == "pallas"
+    assert resolve_impl("auto", device=FakeDevice("8.6")) == "pallas"
+    assert resolve_impl("auto", "int8", FakeDevice("8.6")) == "pallas"
+    assert resolve_impl("pallas", "float8_e4m3fn", FakeDevice("8.6")) == "xla"
+    assert resolve_impl("auto", "float8_e4m3fn", FakeDevice("9.0")) == "pallas"
     with pytest.raises(ConfigError):
-        tuning.resolve_attention_impl("flash")
+        resolve_impl("flash")
 
 
 def test_num_splits_heuristic():
     # One slot, long cache on a 132-SM GPU: many splits; many slots or short caches: few.
     assert tuning.next_pow2(7) == 8
-    assert num_splits_for(1, 8, 256, 132) == 64
-    assert num_splits_for(32, 8, 256, 132) == 2
-    assert num_splits_for(1, 8, 8, 132) == 2
-    assert num_splits_for(4, 8, 256, 0) == 1
+    assert tuning.num_splits_for(1, 8, 256, 132) == 64
+    assert tuning.num_splits_for(32, 8, 256, 132) == 2
+    assert tuning.num_splits_for(1, 8, 8, 132) == 2
+    assert tuning.num_splits_for(4, 8, 256, 0) == 1
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])

@@ -4,7 +4,6 @@ The independent reference: `pj.logits(..., kv_dtype=)`, a cache-free full forwar
 cache stores them (per token and head, so it does not depend on what else is cached). The kernels and the XLA
 attention over a quantized cache are checked against a dequantized copy in tests/test_kernels.py.
 """
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,7 +79,10 @@ def test_engine_logprobs_match_a_cache_free_forward_with_the_same_rounding(qwen3
         full = log_softmax(pj.logits(qwen3, seq[:-1], kv_dtype=kv_dtype)[0])[len(prompt) - 1:]
         want = full[np.arange(len(req.generated_tokens)), req.generated_tokens]
         got = np.array([lp for lp, _ in req.logprobs])
-        np.testing.assert_allclose(got, want, atol=2e-4)
+        # The two programs compute K/V with float32 results an ulp apart, so a value within an ulp of a rounding
+        # midpoint may land on neighbouring levels: measured, one such flip moves a logprob by up to 8.6e-4 (int8)
+        # and 1.5e-4 (float8); the tolerance allows a few, and stays far below the gaps checked next.
+        np.testing.assert_allclose(got, want, atol=3e-3 if kv_dtype == "int8" else 1e-3)
         assert req.generated_tokens == [int(t) for t in full.argmax(-1)]
         # and the rounding costs little against the float cache
         exact = log_softmax(pj.logits(qwen3, seq[:-1])[0])[len(prompt) - 1:]

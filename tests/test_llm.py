@@ -60,4 +60,9 @@ def test_errors_reach_the_caller(llm):
         llm.generate("x", pj.SamplingParams(top_p=2.0))
     with pytest.raises(pj.errors.RequestError):
         llm.generate([[llm.model.config.vocab_size]], GREEDY)
+    for prompts in ([[1.5, 2]], [1.5, 2], [[1, "2"]]):  # never rounded or converted: a typed error
+        with pytest.raises(pj.errors.RequestError, match="non-integer token id"):
+            llm.generate(prompts, GREEDY)
+    with pytest.raises(pj.errors.RequestError, match="a string or a list of token ids"):
+        llm.generate([None], GREEDY)
     assert llm.generate("x", GREEDY)[0].finish_reason == "length"  # still serving

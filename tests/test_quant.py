@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 import pocketjax as pj
-from pocketjax.model import quant
+from pocketjax.model import prequantized, quant
 from pocketjax.model.checkpoint import open_checkpoint, write_safetensors
 from pocketjax.errors import ConfigError
-from pocketjax.model.quant import AWQ_ORDER, QuantizedWeight
+from pocketjax.model.prequantized import AWQ_ORDER
+from pocketjax.model.quant import QuantizedWeight
 
 
 def rel_err(a, b) -> float:
@@ -91,15 +92,15 @@ def test_pack_unpack_identity_and_documented_orders():
     np.testing.assert_array_equal(packed >> 4, q[1::2])
     for axis in (0, 1):
         for order in (None, AWQ_ORDER):
-            words = quant.pack_nibbles(q, axis, order)
+            words = prequantized.pack_nibbles(q, axis, order)
             assert words.dtype == np.int32 and words.shape[axis] == q.shape[axis] // 8
-            np.testing.assert_array_equal(quant.unpack_nibbles(words, axis, order), q)
-    np.testing.assert_array_equal(quant.pack_nibbles(q, 1, AWQ_ORDER), reference_pack_awq(q))
-    np.testing.assert_array_equal(quant.pack_nibbles(q, 0), reference_pack_gptq_rows(q))
-    np.testing.assert_array_equal(quant.pack_nibbles(q, 1), reference_pack_gptq_cols(q))
+            np.testing.assert_array_equal(prequantized.unpack_nibbles(words, axis, order), q)
+    np.testing.assert_array_equal(prequantized.pack_nibbles(q, 1, AWQ_ORDER), reference_pack_awq(q))
+    np.testing.assert_array_equal(prequantized.pack_nibbles(q, 0), reference_pack_gptq_rows(q))
+    np.testing.assert_array_equal(prequantized.pack_nibbles(q, 1), reference_pack_gptq_cols(q))
     ramp = np.arange(8, dtype=np.uint8)[None]
-    assert quant.pack_nibbles(ramp, 1, AWQ_ORDER).view(np.uint32)[0, 0] == 0x75316420  # nibble i = AWQ_ORDER[i]
-    assert quant.pack_nibbles(ramp, 1).view(np.uint32)[0, 0] == 0x76543210
+    assert prequantized.pack_nibbles(ramp, 1, AWQ_ORDER).view(np.uint32)[0, 0] == 0x75316420  # nibble i = AWQ_ORDER[i]
+    assert prequantized.pack_nibbles(ramp, 1).view(np.uint32)[0, 0] == 0x76543210
 
 
 def test_quantized_weight_is_a_pytree_through_jit():

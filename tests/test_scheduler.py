@@ -147,15 +147,27 @@ def test_prefix_reuse_across_requests(model, engine):
     assert holder.result().token_ids == alone(model, system + turn1, GREEDY)
 
 
+def gate_collect(engine, monkeypatch, hold) -> None:
+    """The loop waits (at most TIMEOUT) before reading a decode step while hold() is True: a test thread then acts
+    at a known point however fast the loop runs (99 decode steps of the tiny model take ~26 ms)."""
+    collect = engine.decode_collect
+    monkeypatch.setattr(engine, "decode_collect", lambda step: hold() or collect(step))
+
+
 def test_cancel_mid_stream_and_before_admission(engine, monkeypatch):
+    holder, cancelled = [], threading.Event()
+    gate_collect(engine, monkeypatch, lambda: holder and holder[0].num_delivered >= 3
+                 and not cancelled.wait(TIMEOUT))
     with Scheduler(engine) as sched:
         handle = sched.submit(random_prompts(4, [6])[0], SamplingParams(max_tokens=100, temperature=0.0,
                                                                          ignore_eos=True))
+        holder.append(handle)
         seen = []
         for token in handle:
             seen.append(token)
             if len(seen) == 3:
                 handle.cancel()
+                cancelled.set()
         out = handle.result(timeout=TIMEOUT)
     assert out.finish_reason == "cancelled" and out.token_ids == seen and 3 <= len(seen) < 100
     assert handle.done() and not engine.slots.owner
@@ -173,10 +185,19 @@ def test_cancel_mid_stream_and_before_admission(engine, monkeypatch):
     assert admitted == [kept.request_id] and kept.result().finish_reason == "length"
 
 
-def test_stop_with_requests_in_flight(engine):
-    sched = Scheduler(engine, max_waiting=64).start()
-    long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)  # ~a second of steps: stop() comes first
-    handles = [sched.submit(p, long) for p in random_prompts(5, [4] * 12)]  # 8 run, 4 wait
+def test_stop_with_requests_in_flight(engine, monkeypatch):
+    sched = Scheduler(engine, max_waiting=64)
+    handles = []
+
+    def until_stopping():  # once tokens flow, the loop holds until stop() has been called
+        if handles and handles[0].num_delivered >= 1:
+            with sched._cond:
+                sched._cond.wait_for(lambda: sched._stopping, timeout=TIMEOUT)
+
+    gate_collect(engine, monkeypatch, until_stopping)
+    sched.start()
+    long = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    handles.extend(sched.submit(p, long) for p in random_prompts(5, [4] * 12))  # 8 run, 4 wait
     streamed = []
     reader = threading.Thread(target=lambda: streamed.extend(handles[0]))
     reader.start()

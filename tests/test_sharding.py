@@ -1,9 +1,11 @@
 """Tensor parallelism on two CPU devices: tp=2 (and 1x2 / 2x1 dp x tp meshes) reproduce tp=1, memory halves."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 from pathlib import Path
 
 import jax
@@ -17,7 +19,6 @@ from pocketjax.model.config import ModelConfig
 from pocketjax.engine.engine import Engine
 from pocketjax.engine.steps import decode_step, prefill_step
 from pocketjax.errors import ConfigError
-from pocketjax.model.kv_cache import init_cache
 from pocketjax.engine.sampling import SamplingParams
 
 from test_engine import random_prompts, run
@@ -68,6 +69,22 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
+def per_device_bytes(tree) -> dict:
+    """Bytes each device holds for the arrays of a pytree (params, cache)."""
+    total: dict = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
+    return total
+
+
+def count_collectives(hlo_text: str) -> Counter:
+    """(op, shape) -> count of the collectives in compiled HLO text (`jit(f).lower(...).compile().as_text()`)."""
+    ops = re.findall(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
+                     hlo_text)
+    return Counter((op, shape) for shape, op in ops)
+
+
 @pytest.mark.parametrize("name", list(CHECKPOINTS))
 def test_tp2_logits_match_tp1(load, name):
     one, two = load(name), load(name, "tp2")
@@ -85,16 +102,16 @@ def test_tp2_logits_match_tp1(load, name):
 
 def test_param_bytes_per_device_halve(load):
     one, two = load("qwen2_mha_untied"), load("qwen2_mha_untied", "tp2")  # even vocab: everything big is split
-    total = sum(sharding.per_device_bytes(one.params).values())
-    per_device = sharding.per_device_bytes(two.params)
+    total = sum(per_device_bytes(one.params).values())
+    per_device = per_device_bytes(two.params)
     assert len(per_device) == 2 and len(set(per_device.values())) == 1
     assert 0.5 <= per_device[jax.devices()[0]] / total < 0.51, (per_device, total)
     # An odd vocab (301) is replicated: each device holds half the rest plus the whole embedding and lm_head.
     odd_one, odd_two = load("qwen3_gqa4_headdim"), load("qwen3_gqa4_headdim", "tp2")
     vocab = sum(odd_one.params[k].nbytes for k in ("embed", "lm_head"))
     norms = sum(a.nbytes for a in jax.tree.leaves(odd_one.params) if a.ndim == 1)
-    expected = (sum(sharding.per_device_bytes(odd_one.params).values()) - vocab - norms) / 2 + vocab + norms
-    assert sharding.per_device_bytes(odd_two.params)[jax.devices()[1]] == expected
+    expected = (sum(per_device_bytes(odd_one.params).values()) - vocab - norms) / 2 + vocab + norms
+    assert per_device_bytes(odd_two.params)[jax.devices()[1]] == expected
 
 
 @pytest.mark.parametrize("name, impl", [("qwen2_mha_untied", "xla"), ("qwen3_kv1", "pallas_interpret")])
@@ -112,7 +129,7 @@ def test_engine_greedy_tp2_equals_tp1(load, reference_tokens, name, impl):
         c, z = model.config, np.zeros(4, np.int32)  # plus 1 for the vocab-parallel embedding lookup; no gathers
         compiled = decode_step.lower(model.params, engine.cache, z, z, z, z > 0, config=c, impl=impl, kv_len=64,
                                      dense=True).compile()
-        collectives = sharding.count_collectives(compiled.as_text())
+        collectives = count_collectives(compiled.as_text())
         # the row-parallel products reduce [hidden, rows] (computed as w @ x.T on CPU, see layers.linear)
         assert collectives == {("all-reduce", f"f32[4,1,{c.hidden_size}]{{2,1,0}}"): 1,
                                ("all-reduce", f"f32[{c.hidden_size},4]{{1,0}}"): 2 * c.num_layers}
@@ -161,7 +178,7 @@ def test_dp_tp_mesh_prefill_and_decode(load, mesh):
     assert rel_err(np.asarray(second)[rows], ref[rows, lengths[rows]]) <= 1e-5
     if mesh == "2x1":
         with pytest.raises(ConfigError, match="3 slots cannot be split over dp=2"):
-            sharding.shard_cache(init_cache(1, 3, c.num_kv_heads, 8, c.head_dim, model.dtype), model.mesh)
+            sharding.cache_shardings(model.mesh, 1, 3, c.num_kv_heads)
 
 
 def test_config_errors_name_the_numbers(hf_checkpoint, tmp_path):

@@ -17,7 +17,7 @@ from pocketjax.model.config import ModelConfig
 from pocketjax.errors import ConfigError, RequestError
 from pocketjax.serve.tokenizer import Tokenizer
 
-ASSET = Path(train.__file__).parent / "assets" / "pocket-coder"
+ASSET = Path(train.__file__).parents[1] / "assets" / "pocket-coder"
 ARCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8)
 VOCAB = 64

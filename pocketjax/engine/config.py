@@ -1,11 +1,29 @@
-"""EngineConfig: how an Engine sizes its cache and its compiled shapes (every bucket derives from these numbers)."""
+"""EngineConfig: how an Engine sizes its cache and its compiled shapes, from arguments or the environment.
+
+The one place that reads POCKETJAX_* variables (a deployment or notebook host sizes the engine without code
+changes): each fills a field the caller did not pass; an explicit argument always wins.
+"""
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+import jax
+
 from ..errors import ConfigError
 from ..model.kv_cache import check_kv_dtype
+from ..model.layers import ATTENTION_IMPLS
+
+ENVIRONMENT = {  # field -> variable
+    "max_batch_size": "POCKETJAX_MAX_BATCH_SIZE",
+    "max_seq_len": "POCKETJAX_MAX_SEQ_LEN",
+    "prefill_chunk": "POCKETJAX_PREFILL_CHUNK",
+    "attention_impl": "POCKETJAX_ATTENTION_IMPL",
+    "kv_dtype": "POCKETJAX_KV_DTYPE",
+    "compile_cache_dir": "POCKETJAX_COMPILE_CACHE_DIR",
+}
 
 
 @dataclass(frozen=True)
@@ -19,10 +37,13 @@ class EngineConfig:
     min_kv_bucket: int = 128
     min_prefill_bucket: int = 16
     kv_dtype: str | None = None  # None: the model's dtype; "int8" / "float8_e4m3fn": quantized with scales
+    compile_cache_dir: str | None = None  # JAX's persistent compilation cache, kept across processes (None: off)
 
     @classmethod
-    def of(cls, config: EngineConfig | None = None, **options: Any) -> EngineConfig:
-        """`config` (default: the defaults) with `options` (EngineConfig field names) replaced, validated.
+    def of(cls, config: EngineConfig | None = None, *, environ: Mapping[str, str] | None = None,
+           **options: Any) -> EngineConfig:
+        """`config` with `options` (EngineConfig field names) replaced, validated. Without `config`, fields no
+        option names come from POCKETJAX_* variables in `environ` (default: os.environ), then the defaults.
 
         The one way Engine, LLM and the CLI turn keyword options into a config, so none repeats the field list.
         """
@@ -30,13 +51,48 @@ class EngineConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ConfigError(f"unknown engine option(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-        config = replace(config or cls(), **options)
+        if config is None:
+            config = cls.from_environment(os.environ if environ is None else environ)
+        config = replace(config, **options)
         config.validate()
         return config
+
+    @classmethod
+    def from_environment(cls, environ: Mapping[str, str]) -> EngineConfig:
+        """The defaults, with each field whose POCKETJAX_* variable is set (non-empty) read from it."""
+        types = {f.name: f.type for f in fields(cls)}
+        values = {}
+        for name, variable in ENVIRONMENT.items():
+            text = environ.get(variable, "").strip()
+            if not text:
+                continue
+            try:
+                values[name] = int(text) if types[name] == "int" else text
+            except ValueError:
+                raise ConfigError(f"environment variable {variable}={text!r} is not an integer") from None
+            try:
+                cls(**{name: values[name]}).validate()
+            except ConfigError as error:
+                raise ConfigError(f"environment variable {variable}={text!r}: {error}") from None
+        return cls(**values)
 
     def validate(self) -> None:
         for name in ("max_batch_size", "max_seq_len", "prefill_chunk", "min_kv_bucket", "min_prefill_bucket"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ConfigError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}")
         check_kv_dtype(self.kv_dtype)
+        if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, (str, os.PathLike)):
+            raise ConfigError(f"compile_cache_dir must be a folder path, got {self.compile_cache_dir!r}")
+
+
+def use_compile_cache(folder: str | os.PathLike | None) -> None:
+    """Keep every compiled program in `folder` (JAX's persistent cache), so the next process skips compiling the
+    same shapes. Process-wide, as JAX's cache is; None leaves JAX's setting alone."""
+    if folder is None:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.fspath(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the engine's steps are worth keeping
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -22,7 +22,7 @@ from ..model.decoder import Model
 from ..model.kv_cache import KVCache, init_cache
 from ..model.layers import resolve_impl
 from ..model.sharding import init_sharded_cache
-from .config import EngineConfig
+from .config import EngineConfig, use_compile_cache
 from .request import BatchedRequest, RequestStatus
 from .sampling import MAX_LOGPROBS, SampleOutput, SamplingParams, pack_sampling
 from .slots import SlotTable
@@ -78,6 +78,7 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig | None = None, *, seed: int = 0, **options: Any):
         self.model = model
         self.config = EngineConfig.of(config, **options)
+        use_compile_cache(self.config.compile_cache_dir)
         self.impl = resolve_impl(self.config.attention_impl, self.config.kv_dtype)
         self.eos_ids = read_eos_ids(model)
         self.rng = np.random.default_rng(seed)

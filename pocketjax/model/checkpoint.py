@@ -9,16 +9,16 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from . import prequantized
 from .config import ModelConfig
 from ..errors import CheckpointError
-from .quant import CheckpointScheme, checkpoint_scheme
 
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -135,77 +135,63 @@ def open_checkpoint(folder: str | Path) -> dict[str, SafetensorsFile]:
     return {name: f for f in files for name in f.keys()}
 
 
+def layer_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Our per-layer param name -> (HF tensor suffix, shape), for the tensors each layer of `config` has.
+
+    Linear weights keep HF's [out, in] layout: on XLA:CPU the decode-sized product runs fastest as w @ x.T
+    (benchmarks/xla_cpu_matmul.py), and loading needs no transposes.
+    """
+    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+    q, kv = config.num_heads * d, config.num_kv_heads * d
+    table = {
+        "input_norm": ("input_layernorm.weight", (h,)),
+        "post_norm": ("post_attention_layernorm.weight", (h,)),
+        "q": ("self_attn.q_proj.weight", (q, h)),
+        "k": ("self_attn.k_proj.weight", (kv, h)),
+        "v": ("self_attn.v_proj.weight", (kv, h)),
+        "o": ("self_attn.o_proj.weight", (h, q)),
+    }
+    if config.attention_bias:
+        table |= {"q_bias": ("self_attn.q_proj.bias", (q,)), "k_bias": ("self_attn.k_proj.bias", (kv,)),
+                  "v_bias": ("self_attn.v_proj.bias", (kv,))}
+        if config.model_type == "qwen3":
+            table["o_bias"] = ("self_attn.o_proj.bias", (h,))
+    if config.qk_norm:
+        table |= {"q_norm": ("self_attn.q_norm.weight", (d,)), "k_norm": ("self_attn.k_norm.weight", (d,))}
+    return table | {"gate": ("mlp.gate_proj.weight", (i, h)), "up": ("mlp.up_proj.weight", (i, h)),
+                    "down": ("mlp.down_proj.weight", (h, i))}
+
+
+def param_tensors(config: ModelConfig) -> Iterator[tuple[tuple, str, tuple[int, ...]]]:
+    """(our param path, HF tensor name, shape) for every tensor the config implies, in load order.
+
+    The one walk over the parameters: loading, the memory planner and the trainer (init, save) all use it.
+    """
+    v, h = config.vocab_size, config.hidden_size
+    yield ("embed",), "model.embed_tokens.weight", (v, h)
+    layer = layer_tensors(config)
+    for n in range(config.num_layers):
+        for ours, (suffix, shape) in layer.items():
+            yield ("layers", n, ours), f"model.layers.{n}.{suffix}", shape
+    yield ("final_norm",), "model.norm.weight", (h,)
+    if not config.tie_word_embeddings:
+        yield ("lm_head",), "lm_head.weight", (v, h)
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape, for every tensor the config implies (the checkpoint must hold exactly these)."""
-    h, d, i, v = config.hidden_size, config.head_dim, config.intermediate_size, config.vocab_size
-    q, kv = config.num_heads * d, config.num_kv_heads * d
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (v, h)
-    for n in range(config.num_layers):
-        p = f"model.layers.{n}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
-        }
-        if config.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                       p + "self_attn.v_proj.bias": (kv,)}
-            if config.model_type == "qwen3":
-                shapes[p + "self_attn.o_proj.bias"] = (h,)
-        if config.qk_norm:
-            shapes |= {p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)}
-    return shapes
+    return {name: shape for _, name, shape in param_tensors(config)}
 
 
-# Our param name -> (HF suffix, transpose?). Linear weights keep HF's [out, in] layout: on XLA:CPU the decode-sized
-# product runs fastest as w @ x.T (benchmarks/xla_cpu_matmul.py), and loading needs no transposes.
-LAYER_TENSORS = {
-    "input_norm": ("input_layernorm.weight", False),
-    "post_norm": ("post_attention_layernorm.weight", False),
-    "q": ("self_attn.q_proj.weight", False),
-    "k": ("self_attn.k_proj.weight", False),
-    "v": ("self_attn.v_proj.weight", False),
-    "o": ("self_attn.o_proj.weight", False),
-    "q_bias": ("self_attn.q_proj.bias", False),
-    "k_bias": ("self_attn.k_proj.bias", False),
-    "v_bias": ("self_attn.v_proj.bias", False),
-    "o_bias": ("self_attn.o_proj.bias", False),
-    "q_norm": ("self_attn.q_norm.weight", False),
-    "k_norm": ("self_attn.k_norm.weight", False),
-    "gate": ("mlp.gate_proj.weight", False),
-    "up": ("mlp.up_proj.weight", False),
-    "down": ("mlp.down_proj.weight", False),
-}
-
-
-def stored_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], available
-                  ) -> tuple[dict[str, tuple[int, ...]], dict[str, CheckpointScheme]]:
-    """(the tensors the checkpoint must hold, {linear weight name: its AWQ/GPTQ scheme}).
-
-    In an AWQ/GPTQ checkpoint a linear `X.weight` is stored as X.qweight/qzeros/scales(/g_idx) wherever X.qweight is
-    present; a linear left in float (modules_to_not_convert, lm_head) keeps its X.weight.
-    """
-    scheme = checkpoint_scheme(config)
-    if scheme is None:
-        return shapes, {}
-    stored: dict[str, tuple[int, ...]] = {}
-    quantized: dict[str, CheckpointScheme] = {}
-    for name, shape in shapes.items():
-        prefix = name.removesuffix(".weight")
-        if len(shape) == 2 and prefix + ".qweight" in available and name != "model.embed_tokens.weight":
-            stored |= scheme.tensor_shapes(prefix, *shape)
-            quantized[name] = scheme
+def nest(config: ModelConfig, items: Iterable[tuple[tuple, Any]]) -> dict[str, Any]:
+    """The params pytree {'embed', 'layers': [per-layer dicts], 'final_norm', 'lm_head'?} from (path, value) pairs."""
+    params: dict[str, Any] = {"layers": [{} for _ in range(config.num_layers)]}
+    for path, value in items:
+        if path[0] == "layers":
+            params["layers"][path[1]][path[2]] = value
         else:
-            stored[name] = shape
-    return stored, quantized
+            params[path[0]] = value
+    return params
 
 
 # Placer: receives our param path (e.g. ("layers", 3, "q")) and the host array in its final layout and dtype;
@@ -217,7 +203,7 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
     """Yield (param path, host array) one tensor at a time, validated against the config."""
     tensors = open_checkpoint(folder)
     shapes = expected_shapes(config)
-    stored, quantized = stored_shapes(config, shapes, tensors)
+    stored, quantized = prequantized.stored_shapes(config, shapes, tensors)
     tied_extra = {"lm_head.weight"} if config.tie_word_embeddings else set()
     unexpected = sorted(set(tensors) - set(stored) - tied_extra)
     if unexpected:
@@ -226,34 +212,24 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
     if missing:
         raise CheckpointError(f"missing tensor(s) in checkpoint: {', '.join(missing[:5])}")
 
-    def read(name: str, transpose: bool = False) -> np.ndarray:
+    for path, name, shape in param_tensors(config):
         if name in quantized:  # an AWQ/GPTQ QuantizedWeight, already [in, out]
-            return quantized[name].read(name.removesuffix(".weight"), *shapes[name], lambda n: tensors[n].tensor(n))
+            yield path, prequantized.read_linear(config.quantization, name.removesuffix(".weight"), *shape,
+                                                 lambda n: tensors[n].tensor(n))
+            continue
         array = tensors[name].tensor(name)
-        if tuple(array.shape) != shapes[name]:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, config implies {shapes[name]}")
-        array = array.T if transpose else array
-        return np.ascontiguousarray(array, dtype=dtype)
-
-    yield ("embed",), read("model.embed_tokens.weight")
-    for n in range(config.num_layers):
-        for ours, (suffix, transpose) in LAYER_TENSORS.items():
-            name = f"model.layers.{n}.{suffix}"
-            if name in shapes:
-                yield ("layers", n, ours), read(name, transpose)
-    yield ("final_norm",), read("model.norm.weight")
-    if not config.tie_word_embeddings:
-        yield ("lm_head",), read("lm_head.weight")
+        if tuple(array.shape) != shape:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, config implies {shape}")
+        yield path, np.ascontiguousarray(array, dtype=dtype)
 
 
 def load_params(folder: str | Path, config: ModelConfig, dtype: np.dtype, place: Placer) -> dict[str, Any]:
     """The params pytree: {'embed', 'layers': [per-layer dicts], 'final_norm', 'lm_head'?}, placed tensor by tensor."""
-    params: dict[str, Any] = {"layers": [{} for _ in range(config.num_layers)]}
-    for path, array in iter_params(folder, config, dtype):
-        value = place(path, array)
-        if path[0] == "layers":
-            params["layers"][path[1]][path[2]] = value
-        else:
-            params[path[0]] = value
-        del array
-    return params
+
+    def placed() -> Iterator[tuple[tuple, Any]]:
+        for path, array in iter_params(folder, config, dtype):
+            value = place(path, array)
+            del array  # the host copy goes before the next tensor is read
+            yield path, value
+
+    return nest(config, placed())

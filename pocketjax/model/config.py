@@ -1,7 +1,8 @@
 """ModelConfig parsed from a Hugging Face config.json, and the RoPE frequencies it implies.
 
 Both spellings are accepted: what released Qwen checkpoints carry (`rope_theta`, `rope_scaling`, `torch_dtype`)
-and what transformers 5 writes (`rope_parameters`, `dtype`). Anything we cannot run exactly raises ConfigError.
+and what transformers 5 writes (`rope_parameters`, `dtype`). Anything we cannot run exactly raises ConfigError,
+including an AWQ/GPTQ `quantization_config` we cannot read (parsed here once into a QuantizationConfig).
 """
 from __future__ import annotations
 
@@ -33,6 +34,22 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class QuantizationConfig:
+    """How an AWQ (GEMM) or GPTQ int4 checkpoint stores its linear weights: its checked `quantization_config`.
+
+    GPTQ's desc_act is not kept: the reader takes the row order from each weight's g_idx.
+    """
+
+    method: str  # "awq" | "gptq"
+    bits: int  # 4
+    group_size: int  # input rows per scale and zero; -1: one group over the whole input dim
+    zero_offset: int  # added to every stored zero: GPTQ checkpoint_format "gptq" (v1) stores zero - 1
+
+    def group_for(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The architecture of a Qwen2/Qwen2.5/Qwen3 dense decoder: everything the forward pass needs."""
 
@@ -53,7 +70,9 @@ class ModelConfig:
     dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    raw: tuple[tuple[str, Any], ...] = field(default=(), repr=False, compare=False)
+    # How the checkpoint stores its weights, not the architecture: left out of == and hash, so the jitted functions
+    # (config is a static argument) compile once per architecture, as before.
+    quantization: QuantizationConfig | None = field(default=None, compare=False)
 
     @property
     def group_size(self) -> int:
@@ -137,7 +156,7 @@ class ModelConfig:
             dtype=parse_dtype(cfg),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            raw=tuple(sorted((k, json.dumps(v)) for k, v in cfg.items())),
+            quantization=parse_quantization(cfg),
         )
 
     @classmethod
@@ -163,6 +182,35 @@ def parse_dtype(cfg: dict[str, Any]) -> str:
     if value not in DTYPES:
         raise ConfigError(f"torch_dtype={value!r} is not supported (supported: {', '.join(DTYPES)})")
     return value
+
+
+def parse_quantization(cfg: dict[str, Any]) -> QuantizationConfig | None:
+    """The AWQ/GPTQ scheme `quantization_config` declares; None for a float checkpoint."""
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ConfigError("quantization_config must be a JSON object")
+    method = str(qc.get("quant_method", "")).lower()
+    if method not in ("awq", "gptq"):
+        raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (supported: awq, gptq)")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if bits != 4:
+        raise ConfigError(f"{method} with bits={bits!r} is not supported (supported: 4)")
+    group = qc.get("group_size", qc.get("q_group_size", 128))
+    if not isinstance(group, int) or (group <= 0 and group != -1):
+        raise ConfigError(f"quantization_config.group_size={group!r} must be a positive integer or -1")
+    if method == "awq":
+        version = str(qc.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ConfigError(f"AWQ version={version!r} is not supported (supported: gemm)")
+        if qc.get("zero_point", True) is not True:
+            raise ConfigError("AWQ zero_point=false is not supported (AWQ GEMM checkpoints store zeros)")
+        return QuantizationConfig("awq", 4, group, zero_offset=0)
+    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"GPTQ checkpoint_format={fmt!r} is not supported (supported: gptq, gptq_v2)")
+    return QuantizationConfig("gptq", 4, group, zero_offset=1 if fmt == "gptq" else 0)
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:

@@ -27,6 +27,7 @@ from .checkpoint import load_params
 from .config import DTYPES, ModelConfig
 from ..errors import ConfigError, RequestError
 from .kv_cache import QMAX, KVCache, check_kv_dtype, dequantize, quantize
+from .sharding import make_mesh, mesh_tp, sharded_placer
 
 Params = dict[str, Any]
 # attend(layer index, q [B,T,Hq,D], k, v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state)
@@ -145,11 +146,10 @@ def load_model(path: str, dtype: str | None = None, tp: int = 1, quantize: str |
     dtype = dtype or config.dtype
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
-    scheme = quant.checkpoint_scheme(config)
-    if quant.parse_mode(quantize) is not None and scheme is not None:
-        raise ConfigError(f"quantize={quantize!r}: the checkpoint is already {scheme.method} int{scheme.bits}")
+    stored = config.quantization
+    if quant.parse_mode(quantize) is not None and stored is not None:
+        raise ConfigError(f"quantize={quantize!r}: the checkpoint is already {stored.method} int{stored.bits}")
     if tp != 1 or mesh is not None:
-        from .sharding import make_mesh, mesh_tp, sharded_placer
         mesh = mesh if mesh is not None else make_mesh(tp)
         if tp != 1 and tp != mesh_tp(mesh):
             raise ConfigError(f"tp={tp} contradicts the mesh's 'tp' axis of size {mesh_tp(mesh)}")
@@ -157,8 +157,8 @@ def load_model(path: str, dtype: str | None = None, tp: int = 1, quantize: str |
     else:
         def place(_, array):
             return jax.device_put(array)
-    if quantize is not None or scheme is not None:  # quantize from float32, cast the rest to dtype
-        place = quant.quantizing_placer(place, quantize, np.dtype(jnp.dtype(dtype)), quant.sharding_fits(config, mesh))
+    if quantize is not None or stored is not None:  # quantize from float32, cast the rest to dtype
+        place = quant.quantizing_placer(place, quantize, np.dtype(jnp.dtype(dtype)))
     read_dtype = jnp.float32 if quantize is not None else dtype
     params = load_params(folder, config, np.dtype(jnp.dtype(read_dtype)), place)
     return Model(config=config, params=params, mesh=mesh, path=str(folder))
@@ -168,15 +168,25 @@ def logits(model: Model, tokens, kv_dtype: str | None = None) -> jax.Array:
     """float32 logits [B, T, vocab] for int tokens [B, T] (or [T]): a full causal forward without cache.
 
     kv_dtype: score with K/V rounded as a cache of that dtype stores them ("int8", "float8_e4m3fn").
+
+    Composes with jax.jit, vmap and grad (of a loss on the logits), and takes sharded inputs. Checked always: the
+    shape and the integer dtype (RequestError). Checked only when the tokens are concrete (eagerly, not under
+    tracing, where values are unknown): that every id lies in [0, vocab); a traced out-of-range id is clamped by
+    the embedding gather, as in any jnp indexing.
     """
-    tokens = jnp.asarray(tokens, dtype=jnp.int32)
+    tokens = jnp.asarray(tokens)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise RequestError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+    tokens = tokens.astype(jnp.int32)
     if tokens.ndim == 1:
         tokens = tokens[None]
     if tokens.ndim != 2 or tokens.shape[1] == 0:
         raise RequestError(f"tokens must be a non-empty [B, T] integer array, got shape {tokens.shape}")
     vocab = model.config.vocab_size
-    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab:
-        raise RequestError(f"token ids must lie in [0, {vocab}), got range [{int(tokens.min())}, {int(tokens.max())}]")
+    if not isinstance(tokens, jax.core.Tracer):
+        low, high = int(tokens.min()), int(tokens.max())
+        if low < 0 or high >= vocab:
+            raise RequestError(f"token ids must lie in [0, {vocab}), got range [{low}, {high}]")
     check_kv_dtype(kv_dtype)
     return forward_logits(model.params, model.config, tokens, kv_dtype)
 

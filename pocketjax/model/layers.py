@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from pallas_kernels import reference
-from pallas_kernels.tuning import resolve_attention_impl
+from pallas_kernels import reference, tuning
 
+from ..errors import ConfigError
 from . import quant
 from .config import ModelConfig, rope_frequencies
 from .quant import QuantizedWeight
@@ -82,9 +82,33 @@ def qkv_projection(p: dict, config: ModelConfig, x: jax.Array, cos: jax.Array, s
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def resolve_impl(requested: str, kv_dtype: str | None = None) -> str:
-    """The attention path that will run for `requested` (and a KV cache of `kv_dtype`); logs once which and why."""
-    impl, reason = resolve_attention_impl(requested, kv_dtype=kv_dtype)
+def resolve_impl(requested: str, kv_dtype: str | None = None, device=None) -> str:
+    """The attention path that will run for `requested`: "xla", "pallas" or "pallas_interpret"; logs which and why.
+
+    requested: one of ATTENTION_IMPLS. "auto" and "pallas" run the kernels where they compile for `device` (default:
+    the first) and a `kv_dtype` cache (`tuning.triton_unsupported`), XLA attention elsewhere, so an engine config
+    never crashes on an older GPU; "pallas_interpret" runs them interpreted (slow; for tests).
+    """
+    if requested not in ATTENTION_IMPLS:
+        raise ConfigError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
+    if requested == "xla":
+        impl, reason = "xla", "XLA attention requested"
+    elif requested == "pallas_interpret":
+        impl, reason = "pallas_interpret", "Pallas kernels in interpret mode requested (slow; for tests)"
+    else:
+        device = jax.devices()[0] if device is None else device
+        unsupported = tuning.triton_unsupported(device, kv_dtype)
+        if getattr(device, "platform", "cpu") == "cpu":
+            impl = "xla"
+            reason = ("CPU: XLA attention (Pallas GPU kernels would only run interpreted)" if requested == "auto" else
+                      "pallas requested on CPU: falling back to XLA attention (use pallas_interpret to run the kernels "
+                      "interpreted)")
+        elif unsupported:
+            impl, reason = "xla", f"{unsupported}, using XLA attention"
+        else:
+            major, minor = tuning.compute_capability(device)
+            how = "auto" if requested == "auto" else "requested"
+            impl, reason = "pallas", f"compute capability {major}.{minor}: Pallas Triton kernels ({how})"
     log.info("pocketjax attention: %s (%s)", impl, reason)
     return impl
 

@@ -1,9 +1,9 @@
 """plan_memory: bytes per device of weights, KV cache and activations for a model, before loading anything.
 
-Weights follow the placement load_model makes: each tensor (or quantized leaf) split as `sharding.param_spec` says
+Weights follow the placement load_model makes: each tensor (or quantized leaf) split as `sharding.array_spec` says
 (column-parallel q/k/v/gate/up, row-parallel o/down, vocab-parallel embedding/lm_head when tp divides the vocab),
 replicated where that spec does not divide it. Quantized weights count their values, float32 scales and int8 zeros
-(see pocketjax.quant). The KV cache follows `sharding.cache_spec`: split on kv heads when tp divides them, else
+(see quant.py). The KV cache follows `sharding.cache_spec`: split on kv heads when tp divides them, else
 replicated; int8 KV adds one float32 scale per (layer, k|v, slot, kv head, position).
 
 Activations are the peak of one prefill call (the engine's largest step), N = slots x prefill_chunk tokens:
@@ -14,11 +14,10 @@ Activations are the peak of one prefill call (the engine's largest step), N = sl
             K/V rows, 2 * slots * Hkv * max_seq_len * D * kv bytes; the Pallas kernels keep scores in VMEM/SRAM
     logits  slots * vocab * 4 (float32 last-token logits) + slots * vocab * 5 (the sampler's penalty state)
     dequant quantized only: the largest linear's in * out * 4 / split: XLA:CPU materializes one float32 dequantized
-            operand per matmul (measured; see pocketjax.quant), XLA:GPU fuses it (then this is an upper bound)
+            operand per matmul (measured; see quant.py), XLA:GPU fuses it (then this is an upper bound)
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +25,11 @@ import ml_dtypes
 import numpy as np
 
 from . import quant
-from .checkpoint import LAYER_TENSORS, expected_shapes
+from .checkpoint import param_tensors
 from .config import DTYPES, ModelConfig
 from .kv_cache import QUANTIZED_KV_DTYPES, check_kv_dtype
 from ..errors import ConfigError
+from .sharding import array_spec, check_tp
 
 GiB = 1024**3
 ATTENTION = ("pallas", "xla")
@@ -83,14 +83,13 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     for name, value in (("tp", tp), ("slots", slots), ("max_seq_len", max_seq_len), ("prefill_chunk", prefill_chunk)):
         if not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    from .sharding import check_tp
     check_tp(config, tp)
     mode = quant.parse_mode(quantize)
     a = itemsize(dtype)
 
     weights: dict[str, int] = {"linear": 0, "embedding+lm_head": 0, "norms+biases": 0}
     largest_linear = 0
-    for path, shape in param_shapes(config):
+    for path, _, shape in param_tensors(config):
         name = path[-1]
         if mode is not None and (name in quant.LINEAR_NAMES or (mode[1] and name in quant.HEAD_NAMES)):
             # quantized weights are held [in, out] (see quant.quantizing_placer); the embedding as lm_head
@@ -127,28 +126,7 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     return MemoryPlan(weights=w, kv_cache=c, activations=x, total=w + c + x, details=details)
 
 
-def param_shapes(config: ModelConfig) -> Iterator[tuple[tuple, tuple[int, ...]]]:
-    """(param path, shape in our layout) for every tensor load_model places; linear weights are [in, out]."""
-    shapes = expected_shapes(config)
-    yield ("embed",), shapes["model.embed_tokens.weight"]
-    for n in range(config.num_layers):
-        for ours, (suffix, transpose) in LAYER_TENSORS.items():
-            name = f"model.layers.{n}.{suffix}"
-            if name in shapes:
-                yield ("layers", n, ours), shapes[name][::-1] if transpose else shapes[name]
-    yield ("final_norm",), shapes["model.norm.weight"]
-    if not config.tie_word_embeddings:
-        yield ("lm_head",), shapes["lm_head.weight"]
-
-
 def device_bytes(path: tuple, shape: tuple[int, ...], element_bytes: int, config: ModelConfig, tp: int) -> int:
-    """Bytes one device holds of a tensor: split as sharding.param_spec says when the spec divides it, else whole."""
+    """Bytes one device holds of a tensor: split as load_model places it (sharding.array_spec)."""
     total = int(np.prod(shape, dtype=np.int64)) * element_bytes
-    if tp == 1:
-        return total
-    from .sharding import param_spec
-    spec = param_spec(path, config, tp)
-    split = [dim for dim, axes in zip(shape, spec) if axes is not None]
-    if len(spec) > len(shape) or any(dim % tp for dim in split):
-        return total
-    return total // tp ** len(split)
+    return total // tp ** sum(axes is not None for axes in array_spec(path, shape, config, tp))

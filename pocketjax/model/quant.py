@@ -1,5 +1,5 @@
-"""Weight-only int8 / int4 quantization: the QuantizedWeight pytree, quantizing at load, the dequantizing matmul, and
-readers for AWQ / GPTQ int4 checkpoints.
+"""Weight-only int8 / int4 quantization: the QuantizedWeight pytree, quantizing at load, the dequantizing matmul.
+(AWQ / GPTQ int4 checkpoints are read into the same QuantizedWeight by prequantized.py.)
 
 Schemes (every weight is [in, out], as all linears here):
 - "int8": symmetric per output channel. values int8 in [-127, 127], scale = absmax / 127, float32 [1, out].
@@ -25,7 +25,6 @@ the start of the step: the embedded model's forward held 12.0 MB of temporaries 
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,8 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import ModelConfig
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 
 MODES = {"int8": (8, False), "int4": (4, False), "int8+head": (8, True), "int4+head": (4, True)}
 GROUP_SIZE = 128
@@ -43,7 +41,6 @@ MIN_GROUP_SIZE = 32
 LINEAR_NAMES = frozenset({"q", "k", "v", "o", "gate", "up", "down"})
 HEAD_NAMES = frozenset({"embed", "lm_head"})
 LEAVES = ("values", "scale", "zero", "perm")
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its 8
 
 
 @jax.tree_util.register_dataclass
@@ -112,30 +109,6 @@ def unpack_int4(packed):
     """uint8 [in, out] values 0..15 from pack_int4's bytes; numpy or jax (traced) alike."""
     xp = np if isinstance(packed, np.ndarray) else jnp
     return xp.stack([packed & 15, packed >> 4], axis=1).reshape(-1, packed.shape[-1])
-
-
-def pack_nibbles(q, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
-    """int32 words holding 8 4-bit values each along `axis` (0: GPTQ qweight; 1: qzeros and AWQ), nibble i at bit 4i.
-
-    Without `order`, nibble i holds element 8w + i; with AWQ's order it holds element 8w + order[i].
-    """
-    q = np.moveaxis(np.asarray(q, np.uint32), axis, -1)
-    if q.shape[-1] % 8:
-        raise ConfigError(f"packing 8 nibbles per int32 needs a multiple of 8 along axis {axis}, got {q.shape[-1]}")
-    q = q.reshape(q.shape[:-1] + (q.shape[-1] // 8, 8))
-    if order is not None:
-        q = q[..., list(order)]
-    words = np.bitwise_or.reduce(q << (4 * np.arange(8, dtype=np.uint32)), axis=-1)
-    return np.moveaxis(words.view(np.int32), -1, axis)
-
-
-def unpack_nibbles(words: np.ndarray, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:
-    """uint8 values 0..15, the inverse of `pack_nibbles` (8 per int32 along `axis`)."""
-    w = np.moveaxis(np.asarray(words).view(np.uint32), axis, -1)
-    q = ((w[..., None] >> (4 * np.arange(8, dtype=np.uint32))) & 15).astype(np.uint8)
-    if order is not None:
-        q = q[..., list(np.argsort(order))]
-    return np.moveaxis(q.reshape(w.shape[:-1] + (w.shape[-1] * 8,)), -1, axis)
 
 
 # ---- quantize / dequantize ---------------------------------------------------------------------------------------
@@ -224,15 +197,14 @@ QUANTIZED = "quantized"
 Placer = Callable[[tuple, np.ndarray], Any]
 
 
-def quantizing_placer(place: Placer, quantize: str | None, dtype, fits: Callable[[tuple, tuple], bool] | None = None
-                      ) -> Placer:
+def quantizing_placer(place: Placer, quantize: str | None, dtype) -> Placer:
     """Wrap a checkpoint Placer: linear weights (and with "+head" the embedding / lm_head) are quantized on the host,
     other arrays are cast to `dtype`, and QuantizedWeights (quantized here or read from an AWQ/GPTQ checkpoint) are
     placed leaf by leaf.
 
-    `place(path, leaf)` receives each of values/scale/zero under the weight's own path, so a sharding placer gives it
-    the weight's spec (all three keep out last); `fits(path, shape)` says whether that spec divides the leaf; a leaf
-    it does not divide, and `perm`, are placed under `path + (leaf name,)`, which a sharding placer replicates.
+    `place(path, leaf)` receives each of values/scale/zero/perm under (QUANTIZED,) + the weight's own path, so a
+    sharding placer gives it the weight's spec, transposed (every leaf keeps out last), and replicates a leaf that
+    spec does not divide (a 1-D perm; a scale with fewer groups than devices).
     """
     mode = parse_mode(quantize)
 
@@ -244,132 +216,13 @@ def quantizing_placer(place: Placer, quantize: str | None, dtype, fits: Callable
                 path = ("lm_head",)  # now in lm_head's [hidden, vocab] layout, so it takes lm_head's sharding
         if not isinstance(array, QuantizedWeight):
             return place(path, np.asarray(array, dtype))
-        path = (QUANTIZED,) + path  # leaves are [in, out]: the sharding placer transposes the weight's spec
-        leaves = {}
-        for leaf in LEAVES:
-            value = getattr(array, leaf)
-            if value is None:
-                continue
-            shared = leaf != "perm" and (fits is None or fits(path, value.shape))
-            leaves[leaf] = place(path if shared else path + (leaf,), value)
+        path = (QUANTIZED,) + path
+        leaves = {leaf: place(path, getattr(array, leaf)) for leaf in LEAVES if getattr(array, leaf) is not None}
         return QuantizedWeight(**leaves, bits=array.bits)
 
     return placer
 
 
-def sharding_fits(config: ModelConfig, mesh) -> Callable[[tuple, tuple], bool] | None:
-    """fits(path, leaf shape): whether the spec sharding gives the weight at `path` divides a leaf of that shape.
-
-    A row-parallel weight's scale [groups, out] may have fewer groups than devices (int8: one), and an int4 leaf is
-    half the rows of its weight; such a leaf is replicated instead of failing to place.
-    """
-    if mesh is None:
-        return None
-    from .sharding import mesh_tp, param_spec
-    sizes = dict(mesh.shape)
-
-    def fits(path: tuple, shape: tuple) -> bool:
-        spec = param_spec(path, config, mesh_tp(mesh))
-        if len(spec) > len(shape):
-            return False
-        for dim, axes in zip(shape, spec):
-            names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-            if dim % int(np.prod([sizes[a] for a in names], dtype=np.int64)):
-                return False
-        return True
-
-    return fits
-
-
 def quantize_host(array: np.ndarray, bits: int) -> QuantizedWeight:
     """`quantize` with the int4 group chosen for this weight's input dim."""
     return quantize(array, bits, group_size_for(array.shape[0]) if bits == 4 else None)
-
-
-# ---- AWQ / GPTQ checkpoints --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CheckpointScheme:
-    """How an int4 AWQ (GEMM) or GPTQ checkpoint stores its linear weights, from config.json's quantization_config.
-
-    AWQ GEMM:  qweight int32 [in, out/8], nibbles in AWQ_ORDER along out; qzeros int32 [in/g, out/8], same order;
-               scales fp16 [in/g, out]; w = (q - z) * s.
-    GPTQ:      qweight int32 [in/8, out], nibble j of word r = input row 8r + j; qzeros int32 [groups, out/8], nibble j
-               = column 8c + j; scales [groups, out]; g_idx int32 [in] = the group of each input row (desc_act:
-               a permutation, else i // g). checkpoint_format "gptq" (v1, what auto-gptq and GPTQModel save by
-               default) stores zero - 1, so zero = nibble + 1 (zero 0 is unrepresentable there); "gptq_v2" stores the
-               zero itself. sym=True is zero 8 (v1 nibble 7), read like any other zero.
-    """
-
-    method: str
-    bits: int
-    group_size: int  # -1: one group over the whole input dim
-    zero_offset: int
-
-    def group_for(self, in_features: int) -> int:
-        return in_features if self.group_size == -1 else self.group_size
-
-    def tensor_shapes(self, prefix: str, out_features: int, in_features: int) -> dict[str, tuple[int, ...]]:
-        """The quantized tensors stored for one linear `prefix` (HF name without .weight) and their shapes."""
-        groups = in_features // self.group_for(in_features)
-        if self.method == "awq":
-            return {prefix + ".qweight": (in_features, out_features // 8),
-                    prefix + ".qzeros": (groups, out_features // 8), prefix + ".scales": (groups, out_features)}
-        return {prefix + ".qweight": (in_features // 8, out_features), prefix + ".qzeros": (groups, out_features // 8),
-                prefix + ".scales": (groups, out_features), prefix + ".g_idx": (in_features,)}
-
-    def read(self, prefix: str, out_features: int, in_features: int, tensor: Callable[[str], np.ndarray]
-             ) -> QuantizedWeight:
-        """The QuantizedWeight of linear `prefix`; `tensor(name)` returns a stored tensor (shape checked here)."""
-        shapes = self.tensor_shapes(prefix, out_features, in_features)
-        t = {}
-        for name, shape in shapes.items():
-            array = tensor(name)
-            if tuple(array.shape) != shape:
-                raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, {self.method} int4 with "
-                                      f"group_size {self.group_size} implies {shape}")
-            if name.endswith((".qweight", ".qzeros")) and array.dtype != np.int32:
-                raise CheckpointError(f"tensor {name!r} is {array.dtype}, packed int4 must be int32")
-            t[name.rsplit(".", 1)[1]] = array
-        order = AWQ_ORDER if self.method == "awq" else None
-        q = unpack_nibbles(t["qweight"], axis=1 if self.method == "awq" else 0, order=order)
-        zero = unpack_nibbles(t["qzeros"], axis=1, order=order).astype(np.int8) + np.int8(self.zero_offset)
-        scale = np.asarray(t["scales"], np.float32)
-        perm = None
-        group = self.group_for(in_features)
-        if "g_idx" in t:
-            g_idx = np.asarray(t["g_idx"], np.int64)
-            if not np.array_equal(g_idx, np.arange(in_features) // group):
-                perm = np.argsort(g_idx, kind="stable")
-                if not np.array_equal(g_idx[perm], np.arange(in_features) // group):
-                    raise CheckpointError(f"{prefix}.g_idx does not assign exactly {group} input rows to each group")
-                q = q[perm]
-        return QuantizedWeight(values=pack_int4(q), scale=scale, zero=zero,
-                               perm=None if perm is None else perm.astype(np.int32), bits=4)
-
-
-def checkpoint_scheme(config: ModelConfig) -> CheckpointScheme | None:
-    """The AWQ/GPTQ scheme config.json's quantization_config declares; None for a float checkpoint."""
-    raw = dict(config.raw).get("quantization_config")
-    if raw is None:
-        return None
-    qc = json.loads(raw)
-    method = str(qc.get("quant_method", "")).lower()
-    if method not in ("awq", "gptq"):
-        raise ConfigError(f"quantization_config.quant_method={method!r} is not supported (supported: awq, gptq)")
-    bits = qc.get("bits", qc.get("w_bit"))
-    if bits != 4:
-        raise ConfigError(f"{method} with bits={bits!r} is not supported (supported: 4)")
-    group = qc.get("group_size", qc.get("q_group_size", 128))
-    if not isinstance(group, int) or (group <= 0 and group != -1):
-        raise ConfigError(f"quantization_config.group_size={group!r} must be a positive integer or -1")
-    if method == "awq":
-        version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise ConfigError(f"AWQ version={version!r} is not supported (supported: gemm)")
-        if qc.get("zero_point", True) is not True:
-            raise ConfigError("AWQ zero_point=false is not supported (AWQ GEMM checkpoints store zeros)")
-        return CheckpointScheme("awq", 4, group, zero_offset=0)
-    fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-    if fmt not in ("gptq", "gptq_v2"):
-        raise ConfigError(f"GPTQ checkpoint_format={fmt!r} is not supported (supported: gptq, gptq_v2)")
-    return CheckpointScheme("gptq", 4, group, zero_offset=1 if fmt == "gptq" else 0)  # desc_act: read from g_idx

@@ -38,8 +38,6 @@ here on one process only; what the engine still needs across processes is in the
 """
 from __future__ import annotations
 
-import re
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -115,6 +113,16 @@ def param_spec(path: tuple, config: ModelConfig, tp: int) -> P:
     return P()
 
 
+def array_spec(path: tuple, shape: tuple[int, ...], config: ModelConfig, tp: int) -> P:
+    """The spec an array of `shape` at param `path` is placed with: param_spec where it splits the array evenly over
+    tp, else replicated. Only quantized leaves can fall back: a row-parallel scale [groups, out] may have fewer groups
+    than devices (int8: one), an int4 values leaf has half its weight's rows, a perm [in] is 1-D."""
+    spec = param_spec(path, config, tp)
+    if len(spec) > len(shape) or any(dim % tp for dim, axes in zip(shape, spec) if axes is not None):
+        return P()
+    return spec
+
+
 def sharded_placer(mesh: Mesh, config: ModelConfig) -> Callable[[tuple, np.ndarray], jax.Array]:
     """A checkpoint Placer that puts each host tensor straight into its shards: each device gets only its slice.
 
@@ -125,7 +133,7 @@ def sharded_placer(mesh: Mesh, config: ModelConfig) -> Callable[[tuple, np.ndarr
     check_tp(config, tp)
 
     def place(path: tuple, array: np.ndarray) -> jax.Array:
-        sharding = NamedSharding(mesh, param_spec(path, config, tp))
+        sharding = NamedSharding(mesh, array_spec(path, array.shape, config, tp))
         return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
     return place
@@ -148,35 +156,13 @@ def cache_shardings(mesh: Mesh, num_layers: int, slots: int, kv_heads: int, quan
     return KVCache(k=(layer,) * num_layers, v=(layer,) * num_layers, lengths=lengths, k_scale=scales, v_scale=scales)
 
 
-def shard_cache(cache: KVCache, mesh: Mesh) -> KVCache:
-    """The cache placed on the mesh per `cache_shardings` (the donated steps keep it there)."""
-    shardings = cache_shardings(mesh, len(cache.k), cache.num_slots, cache.k[0].shape[1], cache.quantized)
-    return jax.device_put(cache, shardings)
-
-
 def init_sharded_cache(mesh: Mesh, num_layers: int, slots: int, kv_heads: int, max_seq_len: int, head_dim: int,
                        dtype) -> KVCache:
-    """A zeroed cache created directly in its shards: unlike shard_cache(init_cache(...)), no device ever holds
-    the whole cache (which may not fit on one device: that is why it is sharded)."""
+    """A zeroed cache created directly in its shards: unlike device_put(init_cache(...), cache_shardings(...)), no
+    device ever holds the whole cache (which may not fit on one device: that is why it is sharded)."""
     shardings = cache_shardings(mesh, num_layers, slots, kv_heads, jnp.dtype(dtype).name in QMAX)
     create = jax.jit(init_cache, static_argnums=range(6), out_shardings=shardings)
     return create(num_layers, slots, kv_heads, max_seq_len, head_dim, jnp.dtype(dtype))
-
-
-def count_collectives(hlo_text: str) -> Counter:
-    """(op, shape) -> count of the collectives in compiled HLO text (`jit(f).lower(...).compile().as_text()`)."""
-    ops = re.findall(r"= (.+?) (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
-                     hlo_text)
-    return Counter((op, shape) for shape, op in ops)
-
-
-def per_device_bytes(tree) -> dict[Any, int]:
-    """Bytes each device holds for the arrays of a pytree (params, cache)."""
-    total: dict[Any, int] = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
-    return total
 
 
 def kernel_mesh(cache: jax.Array):

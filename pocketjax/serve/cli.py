@@ -7,7 +7,7 @@ import logging
 import sys
 import time
 
-from ..engine.config import EngineConfig
+from ..engine.config import ENVIRONMENT, EngineConfig
 from ..engine.sampling import SamplingParams
 from ..model.config import DTYPES
 from ..model.kv_cache import KV_DTYPES
@@ -26,13 +26,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--prefill-chunk", dest="prefill_chunk", type=int)
     engine.add_argument("--attention", dest="attention_impl", choices=ATTENTION_IMPLS)
     engine.add_argument("--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, help="KV cache dtype (default: the model's)")
+    engine.add_argument("--compile-cache-dir", dest="compile_cache_dir",
+                        help="keep compiled programs in this folder across runs (JAX's persistent cache)")
 
 
-ENGINE_OPTIONS = ("max_seq_len", "max_batch_size", "prefill_chunk", "attention_impl", "kv_dtype")
+ENGINE_OPTIONS = tuple(ENVIRONMENT)  # every option a flag or a POCKETJAX_* variable sets
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig the flags ask for: only flags given override its defaults."""
+    """The EngineConfig the flags ask for: flags given win over POCKETJAX_* variables, then the defaults."""
     return EngineConfig.of(**{k: getattr(args, k) for k in ENGINE_OPTIONS if getattr(args, k) is not None})
 
 

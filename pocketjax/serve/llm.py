@@ -5,6 +5,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..engine.config import EngineConfig
 from ..engine.engine import Engine
 from ..engine.request import Completion
@@ -62,6 +64,8 @@ class LLM:
             if self.tokenizer is None:
                 raise RequestError("this model folder has no tokenizer.json: pass token ids instead of text")
             return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (Sequence, np.ndarray)):
+            raise RequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)  # the engine checks each id (a non-integer is a RequestError, never rounded)
 
     def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None):
@@ -75,7 +79,7 @@ class LLM:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[Completion]:
         """One Completion per prompt, in order; all prompts run concurrently (continuous batching)."""
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, float, np.number))):
             prompts = [prompts]
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):

@@ -20,6 +20,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers.decoders import DecodeStream
 
 from ..errors import CheckpointError, RequestError
 
@@ -30,6 +31,7 @@ TEMPLATE_DIR = "additional_chat_templates"     # named extra templates, one <nam
 # The named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REPLACEMENT_CHAR = "\ufffd"
+PROMPT_CONTEXT = 5  # prompt ids that streamed text is decoded after (as in vLLM)
 
 
 class Tokenizer:
@@ -312,22 +314,31 @@ def compile_template(source: str, name: str = "chat template") -> jinja2.Templat
 
 
 class IncrementalDetokenizer:
-    """Streams generated ids to text, never emitting a partial UTF-8 character.
+    """Streams generated ids to text in whole characters: `tokenizers`' DecodeStream, plus `flush()`.
 
-    Byte-level BPE splits multibyte characters across tokens, so decoding one token at a time would show
-    U+FFFD. Like vLLM, we decode a short window twice (with and without the new tokens) and emit the
-    difference only once it no longer ends in U+FFFD. Invariant: "".join(pieces) + flush() equals
-    tokenizer.decode(generated ids). Each step decodes a few tokens, not the whole output.
+    Byte-level BPE splits multibyte characters across tokens; DecodeStream holds such tokens back until the
+    character is complete (the two-window decoding vLLM does). Its prompt context (`ids=`) keeps the leading
+    space that SentencePiece-style decoders strip from a text's first token: " world" after "Hello".
+    Own code covers what DecodeStream lacks:
+    - it has no flush and does not show the ids it holds, so we keep the ids since its last piece and decode
+      them after that piece's ids (bytes that never formed a character become U+FFFD, as in `decode`);
+    - given a prompt that ends inside a character, its first piece would repeat the prompt's text (its prefix
+      stays "" while the context decodes to a trailing U+FFFD), so the context ends at the last whole character.
+    For byte-level tokenizers (every Qwen checkpoint) "".join(pieces) + flush() == tokenizer.decode(generated
+    ids), for any prompt. It differs where context changes the text (the SentencePiece space above), and with
+    ByteFallback tokenizers, where an invalid byte run turns already streamed text into U+FFFD: there
+    DecodeStream raises rather than stream text that `decode` would not give.
     """
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids: list[int] = [int(i) for i in prompt_ids]
-        # A few prompt tokens of context matter for decoders that strip a leading space (SentencePiece).
-        self.prefix_offset = max(len(self.ids) - 5, 0)
-        self.read_offset = len(self.ids)
-        self.prompt_len = len(self.ids)
+        context = [int(i) for i in prompt_ids[-PROMPT_CONTEXT:]]
+        while context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            context.pop()
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._last = context          # the ids of the last piece: held ids decode after them
+        self._held: list[int] = []    # ids DecodeStream has not turned into text yet
         self._text: list[str] = []
 
     @property
@@ -337,42 +348,25 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Feed one generated id; returns the newly completed text (often "" while a character is split)."""
-        self.ids.append(int(token_id))
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        if full.endswith(REPLACEMENT_CHAR):
-            return ""  # an incomplete character: wait for the bytes that finish it
-        piece = full[_common_prefix_len(prefix, full):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self._held.append(int(token_id))
+        piece = self._stream.step(self.tokenizer.backend, self._held[-1])
+        if piece is None:
+            return ""
+        self._last, self._held = self._held, []
         self._text.append(piece)
         return piece
 
     def flush(self) -> str:
         """At the end of generation: whatever was held back (bytes that never formed a character, as U+FFFD)."""
-        if self.read_offset == len(self.ids):
+        if not self._held:
             return ""
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
-        piece = full[_common_prefix_len(prefix, full):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        piece = self._decode(self._last + self._held)[len(self._decode(self._last)):]
+        self._held = []
         self._text.append(piece)
         return piece
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    # Normally `a` is a prefix of `b`; they differ only when the prompt ends inside a character, whose
-    # U+FFFD in `a` becomes the real character in `b`.
-    if b.startswith(a):
-        return len(a)
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class StopStringMatcher:

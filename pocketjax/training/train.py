@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import lru_cache, partial
+from functools import lru_cache
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -31,10 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ..model.checkpoint import LAYER_TENSORS, expected_shapes, write_safetensors
+from ..model.checkpoint import nest, param_tensors, write_safetensors
 from ..model.config import ModelConfig
-from ..errors import ConfigError, RequestError
-from ..model.decoder import Model, Params, cross_entropy, forward_logits, loss, next_token_loss
+from ..model.decoder import Params, forward_logits, loss, next_token_loss
 
 # The embedded model's recipe, sized by measurement: one shared CPU core trains ~700 tokens/s at this size, so
 # 30 minutes buy ~1.3M tokens. Four layers and a 4096 vocabulary (a cheap output layer) see more tokens in that
@@ -56,44 +55,20 @@ Log = Callable[[str], None]
 # Parameters
 
 
-def param_names(config: ModelConfig) -> dict[tuple, tuple[str, bool]]:
-    """Our param path -> (HF tensor name, stored transposed?), for every tensor the config implies.
-
-    One table serves init (shapes) and save (names), derived from checkpoint.py's so the two never drift.
-    """
-    hf = expected_shapes(config)
-    names: dict[tuple, tuple[str, bool]] = {("embed",): ("model.embed_tokens.weight", False)}
-    for n in range(config.num_layers):
-        for ours, (suffix, transpose) in LAYER_TENSORS.items():
-            name = f"model.layers.{n}.{suffix}"
-            if name in hf:
-                names[("layers", n, ours)] = (name, transpose)
-    names[("final_norm",)] = ("model.norm.weight", False)
-    if "lm_head.weight" in hf:
-        names[("lm_head",)] = ("lm_head.weight", False)
-    return names
-
-
 def init_params(config: ModelConfig, key: jax.Array, std: float = 0.02, dtype=jnp.float32) -> Params:
     """A fresh params pytree, Qwen-style: normal(0, std) linears and embedding, ones for norms, zeros for biases.
 
     Each tensor draws from `fold_in(key, its index)`, so adding a tensor never reshuffles the others.
     """
-    shapes = expected_shapes(config)
-    params: Params = {"layers": [{} for _ in range(config.num_layers)]}
-    for i, (path, (name, transpose)) in enumerate(param_names(config).items()):
-        shape = shapes[name][::-1] if transpose else shapes[name]
+
+    def init(i: int, name: str, shape: tuple[int, ...]) -> jax.Array:
         if name.endswith("norm.weight"):
-            value = jnp.ones(shape, dtype)
-        elif name.endswith(".bias"):
-            value = jnp.zeros(shape, dtype)
-        else:
-            value = (std * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(dtype)
-        if path[0] == "layers":
-            params["layers"][path[1]][path[2]] = value
-        else:
-            params[path[0]] = value
-    return params
+            return jnp.ones(shape, dtype)
+        if name.endswith(".bias"):
+            return jnp.zeros(shape, dtype)
+        return (std * jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)).astype(dtype)
+
+    return nest(config, ((path, init(i, name, shape)) for i, (path, name, shape) in enumerate(param_tensors(config))))
 
 
 def count_params(params: Params) -> int:
@@ -334,8 +309,8 @@ def save_checkpoint(params: Params, config_dict: dict[str, Any], out_dir: str | 
                     tokenizer_dir: str | Path | None = None) -> Path:
     """Write a complete Hugging Face folder: config.json, model.safetensors, generation_config.json (+ tokenizer).
 
-    Weights are stored in the config's dtype (`dtype`/`torch_dtype`, default float32) under HF names, linears
-    transposed back to HF's [out, in]; a tied model stores no lm_head.weight. Tokenizer files are copied from
+    Weights are stored in the config's dtype (`dtype`/`torch_dtype`, default float32) under HF names, in HF's layout
+    (as loaded: linears [out, in]); a tied model stores no lm_head.weight. Tokenizer files are copied from
     `tokenizer_dir` when given. Returns the folder.
     """
     config = ModelConfig.from_dict(config_dict)
@@ -343,12 +318,11 @@ def save_checkpoint(params: Params, config_dict: dict[str, Any], out_dir: str | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
-    for path, (name, transpose) in param_names(config).items():
+    for path, name, _ in param_tensors(config):
         value = params
         for key in path:
             value = value[key]
-        array = np.asarray(jnp.asarray(value).astype(dtype))
-        tensors[name] = np.ascontiguousarray(array.T if transpose else array)
+        tensors[name] = np.ascontiguousarray(np.asarray(jnp.asarray(value).astype(dtype)))
     write_safetensors(out / "model.safetensors", tensors, metadata={"format": "pt"})
     write_json(out / "config.json", config_dict)
     write_json(out / "generation_config.json", generation_config(config_dict))

@@ -1,0 +1,85 @@
+"""EngineConfig from arguments and POCKETJAX_* variables: precedence, parsing, typed errors, the compile cache."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import pocketjax as pj
+from pocketjax.engine.config import ENVIRONMENT, EngineConfig
+from pocketjax.errors import ConfigError
+from pocketjax.serve.cli import main
+
+ENV = {"POCKETJAX_MAX_BATCH_SIZE": "3", "POCKETJAX_MAX_SEQ_LEN": "96", "POCKETJAX_PREFILL_CHUNK": "16",
+       "POCKETJAX_ATTENTION_IMPL": "xla", "POCKETJAX_KV_DTYPE": "int8"}
+
+
+def test_environment_fills_what_the_caller_leaves_out():
+    config = EngineConfig.of(environ=ENV, max_seq_len=64)
+    assert (config.max_batch_size, config.max_seq_len, config.prefill_chunk) == (3, 64, 16)  # the argument wins
+    assert (config.attention_impl, config.kv_dtype, config.compile_cache_dir) == ("xla", "int8", None)
+    assert EngineConfig.of(environ={}) == EngineConfig()  # nothing set: the defaults
+    assert EngineConfig.of(environ={"POCKETJAX_MAX_BATCH_SIZE": " "}) == EngineConfig()  # blank is unset
+    explicit = EngineConfig(max_batch_size=5)
+    assert EngineConfig.of(explicit, environ=ENV) == explicit  # a whole config given: every field is explicit
+
+
+@pytest.mark.parametrize("variable, value, match", [
+    ("POCKETJAX_MAX_BATCH_SIZE", "four", "POCKETJAX_MAX_BATCH_SIZE='four' is not an integer"),
+    ("POCKETJAX_MAX_SEQ_LEN", "0", "POCKETJAX_MAX_SEQ_LEN='0': max_seq_len must be a positive integer"),
+    ("POCKETJAX_PREFILL_CHUNK", "1.5", "POCKETJAX_PREFILL_CHUNK='1.5' is not an integer"),
+    ("POCKETJAX_ATTENTION_IMPL", "cuda", "POCKETJAX_ATTENTION_IMPL='cuda': attention_impl must be one of"),
+    ("POCKETJAX_KV_DTYPE", "int3", "POCKETJAX_KV_DTYPE='int3': kv_dtype='int3' is not supported"),
+])
+def test_malformed_variable_is_a_config_error_naming_it(variable, value, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig.of(environ={variable: value})
+
+
+def test_unknown_option_is_a_config_error():
+    with pytest.raises(ConfigError, match="unknown engine option.*max_batch"):
+        EngineConfig.of(max_batch=4)
+
+
+def test_engine_llm_and_cli_read_the_environment(monkeypatch, capsys, hf_checkpoint):
+    folder = hf_checkpoint("qwen3_gqa4_headdim")
+    model = pj.load_model(folder)
+    for variable, value in ENV.items():
+        monkeypatch.setenv(variable, value)
+    engine = pj.Engine(model, max_batch_size=2)
+    assert (engine.num_slots, engine.max_seq_len, engine.config.kv_dtype, engine.impl) == (2, 96, "int8", "xla")
+    with pj.LLM(model, max_seq_len=64) as llm:
+        assert (llm.engine.num_slots, llm.engine.max_seq_len, llm.engine.config.prefill_chunk) == (3, 64, 16)
+        out = llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(out[0].token_ids) == 3
+    assert main(["info", "--model", str(folder), "--max-batch-size", "5"]) == 0
+    plan = json.loads(capsys.readouterr().out)["memory_plan"]
+    monkeypatch.delenv("POCKETJAX_MAX_BATCH_SIZE")
+    assert main(["info", "--model", str(folder), "--max-batch-size", "5"]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_plan"] == plan  # the flag wins over the variable
+    assert main(["info", "--model", str(folder)]) == 0
+    unflagged = json.loads(capsys.readouterr().out)["memory_plan"]
+    monkeypatch.setenv("POCKETJAX_MAX_BATCH_SIZE", "5")
+    assert main(["info", "--model", str(folder)]) == 0
+    assert json.loads(capsys.readouterr().out)["memory_plan"] == plan != unflagged  # the variable sizes it
+    monkeypatch.setenv("POCKETJAX_MAX_SEQ_LEN", "-3")
+    with pytest.raises(ConfigError, match="POCKETJAX_MAX_SEQ_LEN"):
+        pj.Engine(model)
+
+
+def test_compile_cache_folder_keeps_programs_across_processes(tmp_path, hf_checkpoint):
+    """Separate processes: JAX's compilation cache setting is process-wide."""
+    folder, cache = hf_checkpoint("qwen3_gqa4_headdim"), tmp_path / "compiled"
+    code = (f"import pocketjax as pj; llm = pj.LLM({str(folder)!r}, max_batch_size=1, max_seq_len=64); "
+            "print(llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids); "
+            "llm.close()")
+    env = {**os.environ, ENVIRONMENT["compile_cache_dir"]: str(cache)}
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr
+    entries = sorted(p.name for p in Path(cache).rglob("*") if p.is_file())
+    assert entries, "nothing was written to the compile cache"
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and second.stdout == first.stdout, second.stderr
+    assert sorted(p.name for p in Path(cache).rglob("*") if p.is_file()) == entries  # all found, none added
