@@ -310,8 +310,7 @@ def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: Simple
         else engine.max_seq_len
     state = {"cache": init_cache(cfg.num_layers, engine.num_slots, cfg.num_kv_heads, engine.max_seq_len,
                                  cfg.head_dim, model.dtype),
-             "penalties": Penalties(jnp.zeros((engine.num_slots, cfg.vocab_size), bool),
-                                    jnp.zeros((engine.num_slots, cfg.vocab_size), jnp.int32))}
+             "penalties": Penalties.zeros(engine.num_slots, cfg.vocab_size)}
     tokens = np.arange(2, 2 + rows, dtype=np.int32) % cfg.vocab_size
     slots = np.arange(rows, dtype=np.int32) if dense else np.zeros(rows, np.int32)
     slots[:c] = np.arange(c)

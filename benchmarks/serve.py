@@ -41,6 +41,7 @@ import pocketjax as pj  # noqa: E402
 from benchmarks.presets import PRESETS, build_preset  # noqa: E402
 from pocketjax.engine.config import EngineConfig  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.engine.request import RequestStatus  # noqa: E402
 from pocketjax.engine.steps import bucket, decode_step, sample_next  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams, pack_sampling  # noqa: E402
 from pocketjax.serve.scheduler import Scheduler  # noqa: E402
@@ -110,7 +111,7 @@ class LoopClock:
         step = sched.step
 
         def timed() -> bool:
-            full = len(sched.running) == n and all(h.request.last_token is not None and not h.request.finished
+            full = len(sched.running) == n and all(h.request.status is RequestStatus.DECODING
                                                    for h in sched.running)
             try:
                 return step()
