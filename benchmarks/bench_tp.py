@@ -32,6 +32,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_engine import Prompts, engine_cycle, model_folder, parse_ints  # noqa: E402
 from benchmarks.presets import PRESETS  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.model.memory import per_device_bytes  # noqa: E402
 from pocketjax.engine.steps import decode_step  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 
@@ -76,15 +77,6 @@ def all_reduces(engine: Engine, rows: int) -> int:
     ops = re.findall(r"= .+? (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
                      hlo.compile().as_text())
     return ops.count("all-reduce")
-
-
-def per_device_bytes(tree) -> dict:
-    """Bytes each device holds for the arrays of a pytree (params, cache)."""
-    total: dict = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
-    return total
 
 
 def bench_tp(folder: Path, tp: int, args: SimpleNamespace) -> list[dict]:

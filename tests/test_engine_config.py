@@ -55,7 +55,9 @@ def test_engine_llm_and_cli_read_the_environment(monkeypatch, capsys, hf_checkpo
         out = llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         assert len(out[0].token_ids) == 3
     assert main(["info", "--model", str(folder), "--max-batch-size", "5"]) == 0
-    plan = json.loads(capsys.readouterr().out)["memory_plan"]
+    info = json.loads(capsys.readouterr().out)
+    plan = info["memory_plan"]
+    assert set(info["placed_bytes"].values()) == {plan["weights"]}  # what load_model placed, as planned
     monkeypatch.delenv("POCKETJAX_MAX_BATCH_SIZE")
     assert main(["info", "--model", str(folder), "--max-batch-size", "5"]) == 0
     assert json.loads(capsys.readouterr().out)["memory_plan"] == plan  # the flag wins over the variable

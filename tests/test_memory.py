@@ -1,10 +1,9 @@
 """plan_memory: the seed's figure, quantized sizes, and agreement with what load_model actually places."""
-import jax
 import pytest
 
 import pocketjax as pj
 from pocketjax.errors import ConfigError
-from pocketjax.model.memory import GiB, MemoryPlan
+from pocketjax.model.memory import GiB, MemoryPlan, per_device_bytes
 
 # The seed's deployment: a 64-layer Qwen with 8 KV heads of 128 (Qwen2.5-32B's shape) at TP2.
 QWEN_64L = dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
@@ -48,10 +47,7 @@ def test_plan_matches_what_load_model_places(hf_checkpoint, quantize, tp):
     folder = hf_checkpoint("qwen3_gqa4_headdim")
     model = pj.load_model(folder, tp=tp, quantize=quantize)
     plan = pj.plan_memory(model.config, tp=tp, dtype="float32", quantize=quantize)
-    placed = {}
-    for leaf in jax.tree.leaves(model.params):
-        for shard in leaf.addressable_shards:
-            placed[shard.device] = placed.get(shard.device, 0) + shard.data.nbytes
+    placed = per_device_bytes(model.params)
     assert set(placed.values()) == {plan.weights}, (placed, plan.weights)
 
 

@@ -17,6 +17,7 @@ import pocketjax as pj
 from pocketjax.model import sharding
 from pocketjax.model.config import ModelConfig
 from pocketjax.engine.engine import Engine
+from pocketjax.model.memory import per_device_bytes
 from pocketjax.engine.steps import decode_step, prefill_step
 from pocketjax.errors import ConfigError
 from pocketjax.engine.sampling import SamplingParams
@@ -67,15 +68,6 @@ def reference_tokens(load):
 def rel_err(a, b) -> float:
     a, b = np.asarray(a), np.asarray(b)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def per_device_bytes(tree) -> dict:
-    """Bytes each device holds for the arrays of a pytree (params, cache)."""
-    total: dict = {}
-    for leaf in jax.tree.leaves(tree):
-        for shard in leaf.addressable_shards:
-            total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
-    return total
 
 
 def count_collectives(hlo_text: str) -> Counter:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -130,3 +131,12 @@ def device_bytes(path: tuple, shape: tuple[int, ...], element_bytes: int, config
     """Bytes one device holds of a tensor: split as load_model places it (sharding.array_spec)."""
     total = int(np.prod(shape, dtype=np.int64)) * element_bytes
     return total // tp ** sum(axes is not None for axes in array_spec(path, shape, config, tp))
+
+
+def per_device_bytes(tree: Any) -> dict[Any, int]:
+    """Bytes each device holds for the arrays of a pytree (params, cache): what was placed, beside the plan."""
+    total: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
+    return total

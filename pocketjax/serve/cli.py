@@ -108,7 +108,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     from ..model.decoder import load_model
     from ..model.layers import resolve_impl
-    from ..model.memory import plan_memory
+    from ..model.memory import per_device_bytes, plan_memory
     from .llm import DEFAULT_MODEL
     model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp, quantize=args.quantize)
     config = engine_config(args)
@@ -119,6 +119,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "parameters": c.num_params(), "dtype": str(model.dtype), "rope": c.rope.rope_type,
         "devices": [str(d) for d in jax.devices()],
         "attention": resolve_impl(config.attention_impl, config.kv_dtype),
+        "placed_bytes": {str(d): n for d, n in per_device_bytes(model.params).items()},
         "memory_plan": plan_memory(c, tp=args.tp, dtype=str(model.dtype), quantize=args.quantize,
                                    kv_dtype=config.kv_dtype, slots=config.max_batch_size,
                                    max_seq_len=config.max_seq_len).as_dict(),
