@@ -159,12 +159,11 @@ class Engine:
             raise RequestError(f"request {req.request_id!r}: prompt of {len(prompt)} tokens does not fit "
                                f"max_seq_len={self.max_seq_len} (one position is needed to generate)")
         vocab = self.model.config.vocab_size
-        bad = [t for t in prompt
-               if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            kind = "token id" if isinstance(bad[0], (int, np.integer)) and not isinstance(bad[0], bool) else \
-                "non-integer token id"
-            raise RequestError(f"request {req.request_id!r}: {kind} {bad[0]!r} outside the vocabulary [0, {vocab})")
+        for t in prompt:
+            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
+                raise RequestError(f"request {req.request_id!r}: non-integer token id {t!r}")
+            if not 0 <= t < vocab:
+                raise RequestError(f"request {req.request_id!r}: token id {t!r} outside the vocabulary [0, {vocab})")
         if not isinstance(req.sampling, SamplingParams):
             raise RequestError(f"request {req.request_id!r}: sampling must be a SamplingParams")
         req.sampling.validate(vocab)
