@@ -58,7 +58,11 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
                                 argument_default=argparse.SUPPRESS if suppress_defaults else None)
     default = (lambda v: argparse.SUPPRESS) if suppress_defaults else (lambda v: v)  # noqa: E731
     p.add_argument("--model", default=default("qwen3-0.6b"), help=f"HF folder or a preset: {', '.join(PRESETS)}")
-    p.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16", "float16"],
+                   help="the checkpoint's dtype (presets are built in it); peers run in it")
+    p.add_argument("--load-dtypes", default=default(""),
+                   help="comma-separated dtypes pocketjax loads the same checkpoint in, each its own rows "
+                        "('default': load_model's default for it; empty: --dtype)")
     p.add_argument("--concurrency", default=default("1,2,4,8"), help="comma-separated numbers of concurrent requests")
     p.add_argument("--prompt-len", type=int, default=default(128))
     p.add_argument("--gen-len", type=int, default=default(64), help="tokens generated per request (first by prefill)")
@@ -99,6 +103,7 @@ def resolve_args(args: argparse.Namespace | dict | None = None, **kwargs) -> Sim
     out.update(given)
     out["concurrency"] = parse_ints(out["concurrency"])
     out["peers"] = parse_names(out["peers"])
+    out["load_dtypes"] = parse_names(out["load_dtypes"]) or [out["dtype"]]
     unknown = [p for p in out["peers"] if p not in PEERS]
     if unknown:
         raise SystemExit(f"unknown peer(s) {unknown}: choose from {', '.join(PEERS)}")
@@ -358,8 +363,9 @@ def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: Simple
             "host_ms": ms["step"] - ms["forward"] - ms["sampler"]}
 
 
-def bench_pocketjax(folder: Path, args: SimpleNamespace) -> tuple[list[dict], ModelConfig]:
-    model = load_model(str(folder), dtype=args.dtype)
+def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str) -> tuple[list[dict], ModelConfig]:
+    model = load_model(str(folder), dtype=None if load_dtype == "default" else load_dtype)
+    dtype = jnp.dtype(model.dtype).name
     engine = Engine(model, max_batch_size=max(args.concurrency), max_seq_len=args.max_seq_len,
                     prefill_chunk=args.prefill_chunk, attention_impl=args.attention)
     prompts = Prompts(model.config.vocab_size)
@@ -375,7 +381,7 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace) -> tuple[list[dict], Mo
             decodes.append(sum(step_s))
             steps.extend(step_s)
         n_steps = args.gen_len - 1
-        rec = {"system": "pocketjax", "dtype": args.dtype, "concurrency": c,
+        rec = {"system": "pocketjax", "dtype": dtype, "concurrency": c, "load_dtype": load_dtype,
                "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
                "decode_tok_s": c * n_steps / float(np.median(decodes)),
                "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
@@ -392,7 +398,7 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace) -> tuple[list[dict], Mo
         checks = overhead_checks(model, engine, prompts, args)
         c1 = next((r for r in records if r["concurrency"] == 1), None)
         if c1 is None:
-            records.append(c1 := {"system": "pocketjax", "dtype": args.dtype, "concurrency": 1})
+            records.append(c1 := {"system": "pocketjax", "dtype": dtype, "concurrency": 1, "load_dtype": load_dtype})
         c1.update(checks)
         print(f"pocketjax checks: batched/minimal per-token {checks['batched_vs_minimal_ratio']:.3f} "
               f"(target <= 1.05), 2x max_seq_len step ratio {checks['doubled_max_seq_len_ratio']:.3f} "
@@ -575,17 +581,18 @@ def add_roofline(records: list[dict], config: ModelConfig, args: SimpleNamespace
 
     Decode context is the mean active length over the timed steps: prompt_len + gen_len / 2.
     """
-    by_c = {r["concurrency"]: r for r in records if r["system"] == "pocketjax" and "decode_tok_s" in r}
+    by_c = {r["concurrency"]: r for r in records  # pocketjax in the checkpoint's dtype, beside the peers
+            if r["system"] == "pocketjax" and r["dtype"] == args.dtype and "decode_tok_s" in r}
     context = args.prompt_len + args.gen_len / 2
     for rec in records:
         if "decode_tok_s" not in rec:
             continue
         c = rec["concurrency"]
-        bound = roofline.decode_bound_tok_s(config, args.dtype, c, context, peaks)
+        bound = roofline.decode_bound_tok_s(config, rec["dtype"], c, context, peaks)
         flops_per_prefill = roofline.prefill_flops(config, c, args.prompt_len)
         prefill_s = c * args.prompt_len / rec["prefill_tok_s"]
-        same_system_c1 = next((r for r in records if r["system"] == rec["system"] and r["concurrency"] == 1
-                               and "decode_tok_s" in r), None)
+        same_system_c1 = next((r for r in records if (r["system"], r["dtype"]) == (rec["system"], rec["dtype"])
+                               and r["concurrency"] == 1 and "decode_tok_s" in r), None)
         rec.update({
             "decode_ratio_vs_c1": rec["decode_tok_s"] / same_system_c1["decode_tok_s"] if same_system_c1 else None,
             "prefill_ratio_vs_c1": rec["prefill_tok_s"] / same_system_c1["prefill_tok_s"] if same_system_c1 else None,
@@ -692,11 +699,14 @@ def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> di
     peaks = measure()
     machine = machine_info(args, peaks)
     phases = machine["phase_s"] = {"peaks": time.perf_counter() - t0}
-    t0 = time.perf_counter()
-    records, config = bench_pocketjax(folder, args)
-    phases["pocketjax"] = time.perf_counter() - t0
-    result = {"machine": machine, "records": records}
-    save(result, config, args, peaks)  # after each system, so a long run that is stopped keeps what it measured
+    result = {"machine": machine, "records": []}
+    records = result["records"]
+    for load_dtype in args.load_dtypes:
+        t0 = time.perf_counter()
+        rows, config = bench_pocketjax(folder, args, load_dtype)
+        records += rows
+        phases[f"pocketjax-{load_dtype}"] = time.perf_counter() - t0
+        save(result, config, args, peaks)  # after each system, so a long run that is stopped keeps what it measured
     peers = {"transformers": bench_transformers, "llamacpp": bench_llamacpp}
     for name in args.peers:
         t0 = time.perf_counter()

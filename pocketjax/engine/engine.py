@@ -14,12 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ..errors import CapacityError, ConfigError, RequestError
 from ..model.decoder import Model
-from ..model.kv_cache import KVCache, init_cache
+from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
 from ..model.sharding import init_sharded_cache
 from .config import EngineConfig, use_compile_cache
@@ -112,7 +111,7 @@ class Engine:
             raise CapacityError(f"cannot reallocate slots while {len(self.slots.owner)} are held")
         c = self.model.config
         self.cache = self.penalties = None  # drop the old cache before allocating the new one
-        kv_dtype = self.config.kv_dtype or jnp.dtype(self.model.dtype).name
+        kv_dtype = self.config.kv_dtype or default_kv_dtype(self.model.dtype)
         shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, kv_dtype)
         if self.model.mesh is not None:  # created in its shards: the whole cache may not fit on one device
             self.cache = init_sharded_cache(self.model.mesh, *shape)
