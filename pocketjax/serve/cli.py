@@ -108,6 +108,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
     from ..model.decoder import load_model
     from ..model.layers import resolve_impl
+    from ..model.kv_cache import default_kv_dtype
     from ..model.memory import per_device_bytes, plan_memory
     from .llm import DEFAULT_MODEL
     model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp, quantize=args.quantize)
@@ -121,7 +122,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "attention": resolve_impl(config.attention_impl, config.kv_dtype),
         "placed_bytes": {str(d): n for d, n in per_device_bytes(model.params).items()},
         "memory_plan": plan_memory(c, tp=args.tp, dtype=str(model.dtype), quantize=args.quantize,
-                                   kv_dtype=config.kv_dtype, slots=config.max_batch_size,
+                                   kv_dtype=config.kv_dtype or default_kv_dtype(model.dtype), slots=config.max_batch_size,
                                    max_seq_len=config.max_seq_len).as_dict(),
     }
     print(json.dumps(info, indent=2))
