@@ -22,5 +22,9 @@ class SamplingError(RequestError):
 
 
 class CapacityError(PocketJaxError):
-    """No free slot, or the waiting queue is full: retry later or raise the limit."""
+    """No free slot, the waiting queue is full, or the memory asked for exceeds what the device has free."""
+
+
+class StoppedError(PocketJaxError, RuntimeError):
+    """The scheduler was stopped (or its loop died): it takes no request until it is started again."""
 

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ..errors import CapacityError, ConfigError, RequestError
 from ..model.decoder import Model
 from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
-from ..model.sharding import init_sharded_cache
+from ..model.memory import check_fits, plan_memory
+from ..model.sharding import init_sharded_cache, mesh_tp
 from .config import EngineConfig, use_compile_cache
 from .request import BatchedRequest, RequestStatus
 from .sampling import MAX_LOGPROBS, SampleOutput, SamplingParams, pack_sampling
@@ -54,6 +56,16 @@ class PendingDecode:
         """True when every unfinished request has a row here, so a next step can read its input tokens on device."""
         held = {id(r) for r in self.rows if r is not None}
         return all(id(r) in held for r in requests if not r.finished)
+
+
+def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
+    """`requests`, once checked to be a sequence of BatchedRequest (RequestError naming what it got otherwise)."""
+    if not isinstance(requests, Sequence) or isinstance(requests, str):
+        raise RequestError(f"requests must be a list of BatchedRequest, got {type(requests).__name__}")
+    bad = [r for r in requests if not isinstance(r, BatchedRequest)]
+    if bad:
+        raise RequestError(f"requests must be BatchedRequest objects, got {type(bad[0]).__name__}")
+    return requests
 
 
 def read_eos_ids(model: Model) -> frozenset[int]:
@@ -113,6 +125,12 @@ class Engine:
         self.cache = self.penalties = None  # drop the old cache before allocating the new one
         kv_dtype = self.config.kv_dtype or default_kv_dtype(self.model.dtype)
         shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, kv_dtype)
+        mesh = self.model.mesh
+        plan = plan_memory(c, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=jnp.dtype(self.model.dtype).name,
+                           kv_dtype=kv_dtype, slots=n, max_seq_len=self.config.max_seq_len)
+        check_fits(f"a KV cache of {n} slots x {self.config.max_seq_len} positions", plan.kv_cache,
+                   list(mesh.devices.flat) if mesh is not None else jax.devices()[:1],
+                   "use fewer slots (max_batch_size), a shorter max_seq_len, kv_dtype='int8', or tp=2")
         if self.model.mesh is not None:  # created in its shards: the whole cache may not fit on one device
             self.cache = init_sharded_cache(self.model.mesh, *shape)
         else:
@@ -152,6 +170,9 @@ class Engine:
     def validate(self, req: BatchedRequest) -> None:
         """Raise RequestError/SamplingError for a request this engine cannot run."""
         prompt = req.prompt_tokens
+        if not isinstance(prompt, (Sequence, np.ndarray)) or isinstance(prompt, (str, bytes)):
+            raise RequestError(f"request {req.request_id!r}: prompt_tokens must be a list of token ids, got "
+                               f"{type(prompt).__name__} (encode text first: LLM does, or Tokenizer.encode)")
         if len(prompt) == 0:
             raise RequestError(f"request {req.request_id!r}: empty prompt")
         if len(prompt) >= self.max_seq_len:
@@ -187,7 +208,10 @@ class Engine:
         Returns each request's first generated token. With `token_budget`, runs ONE device call over at most that
         many prompt tokens (FCFS) and returns None for requests whose prompt is not finished yet.
         """
-        for req in requests:
+        if token_budget is not None and (not isinstance(token_budget, int) or isinstance(token_budget, bool)
+                                         or token_budget < 1):
+            raise RequestError(f"token_budget must be None or an int >= 1, got {token_budget!r}")
+        for req in batch(requests):
             self.validate(req)
             self._slot(req)
             if req.seed is None:
@@ -258,7 +282,7 @@ class Engine:
         device, so this step is queued before they reach the host; a request that `after`'s token ends by length is
         left out, one it ends otherwise (a stop token) costs one row whose token `decode_collect` discards.
         """
-        running = [r for r in requests if not r.finished]
+        running = [r for r in batch(requests) if not r.finished]
         for req in running:
             self._slot(req)
             if req.status is not RequestStatus.DECODING:

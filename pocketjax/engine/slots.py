@@ -13,6 +13,15 @@ from typing import Any
 from ..errors import CapacityError, RequestError
 
 
+def hashable(value: Any) -> bool:
+    """True when value can key a dict (a request id must)."""
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -40,10 +49,12 @@ class SlotTable:
         return len(self.tokens)
 
     def slot_of(self, request_id: Any) -> int | None:
-        return self.owner.get(request_id)
+        return self.owner.get(request_id) if hashable(request_id) else None
 
     def allocate(self, request_id: Any, prompt: Sequence[int] | None = None) -> Allocation:
         """Take a free slot for request_id; with its prompt, the one (and donor) that caches most of it."""
+        if not hashable(request_id):
+            raise RequestError(f"request_id must be hashable, got {type(request_id).__name__}")
         if request_id in self.owner:
             raise RequestError(f"request_id {request_id!r} already holds slot {self.owner[request_id]}")
         if not self.free:
@@ -64,7 +75,7 @@ class SlotTable:
 
     def release(self, request_id: Any) -> int:
         """Give request_id's slot back; its cached tokens stay reusable. Returns the slot."""
-        if request_id not in self.owner:
+        if not hashable(request_id) or request_id not in self.owner:
             raise RequestError(f"request_id {request_id!r} holds no slot")
         slot = self.owner.pop(request_id)
         self.free.append(slot)

@@ -25,7 +25,9 @@ from . import layers
 from . import quant
 from .checkpoint import load_params
 from .config import DTYPES, ModelConfig
+from .hub import resolve_checkpoint
 from ..errors import ConfigError, RequestError
+from .memory import check_fits, plan_memory
 from .kv_cache import QMAX, KVCache, check_kv_dtype, dequantize, quantize
 from .sharding import make_mesh, mesh_tp, sharded_placer
 
@@ -145,14 +147,18 @@ def default_dtype(config: ModelConfig) -> str:
     return config.dtype
 
 
-def load_model(path: str, dtype: str | None = None, tp: int = 1, quantize: str | None = None,
-               mesh: Any = None) -> Model:
-    """Load a Hugging Face Qwen2/2.5/3 checkpoint folder, cast to `dtype` (default: `default_dtype`).
+def load_model(path: str | Path, dtype: str | None = None, tp: int = 1, quantize: str | None = None,
+               mesh: Any = None, *, revision: str | None = None, local_files_only: bool = False) -> Model:
+    """Load a Hugging Face Qwen2/2.5/3 checkpoint, cast to `dtype` (default: `default_dtype`).
 
+    `path` is a checkpoint folder or a Hub repo id ("Qwen/Qwen3-0.6B", at `revision`), downloaded into the hub
+    cache unless `local_files_only` or HF_HUB_OFFLINE=1; `Model.path` is then the local snapshot folder.
     Tensors are read one at a time from memory-mapped safetensors and placed on device straight away, so host
     memory peaks near one copy of the weights. `tp` > 1 (or a `mesh`) shards them as they are read.
     """
-    folder = Path(path)
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
+    folder = resolve_checkpoint(path, revision, local_files_only)
     config = ModelConfig.from_folder(folder)
     dtype = dtype or default_dtype(config)
     if dtype not in DTYPES:
@@ -170,6 +176,10 @@ def load_model(path: str, dtype: str | None = None, tp: int = 1, quantize: str |
             return jax.device_put(array)
     if quantize is not None or stored is not None:  # quantize from float32, cast the rest to dtype
         place = quant.quantizing_placer(place, quantize, np.dtype(jnp.dtype(dtype)))
+    if stored is None:  # (a pre-quantized checkpoint is not planned yet: its float plan would overstate it)
+        plan = plan_memory(config, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=dtype, quantize=quantize)
+        check_fits(f"loading {path}", plan.weights, list(mesh.devices.flat) if mesh is not None
+                   else jax.devices()[:1], "quantize='int8' or 'int4', dtype='bfloat16', or tp=2")
     read_dtype = jnp.float32 if quantize is not None else dtype
     params = load_params(folder, config, np.dtype(jnp.dtype(read_dtype)), place)
     return Model(config=config, params=params, mesh=mesh, path=str(folder))

@@ -18,6 +18,7 @@ Activations are the peak of one prefill call (the engine's largest step), N = sl
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +30,7 @@ from . import quant
 from .checkpoint import param_tensors
 from .config import DTYPES, ModelConfig
 from .kv_cache import QUANTIZED_KV_DTYPES, check_kv_dtype
-from ..errors import ConfigError
+from ..errors import CapacityError, ConfigError
 from .sharding import array_spec, check_tp
 
 GiB = 1024**3
@@ -140,3 +141,32 @@ def per_device_bytes(tree: Any) -> dict[Any, int]:
         for shard in leaf.addressable_shards:
             total[shard.device] = total.get(shard.device, 0) + shard.data.nbytes
     return total
+
+
+def available_bytes(device: Any) -> int | None:
+    """Free memory of a device: the accelerator's limit minus what it holds, or the host's available memory for a
+    CPU device (Linux MemAvailable); None when the platform does not say."""
+    if device.platform != "cpu":
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_fits(what: str, per_device: int, devices: Sequence[Any], advice: str) -> None:
+    """CapacityError, before anything is allocated, when `per_device` bytes on each device will not fit in its free
+    memory (CPU devices share the host's, so theirs add up); the message carries both numbers and `advice`."""
+    on_host = sum(d.platform == "cpu" for d in devices)
+    checks = [(per_device * on_host, devices[0])] if on_host else []
+    checks += [(per_device, d) for d in devices if d.platform != "cpu"]
+    for needed, device in checks:
+        free = available_bytes(device)
+        if free is not None and needed > free:
+            where = "host memory" if device.platform == "cpu" else str(device)
+            raise CapacityError(f"{what} needs {gib(needed)} but {where} has {gib(free)} free: {advice}")

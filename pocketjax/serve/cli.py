@@ -8,6 +8,7 @@ import sys
 import time
 
 from ..engine.config import ENVIRONMENT, EngineConfig
+from ..errors import PocketJaxError
 from ..engine.sampling import SamplingParams
 from ..model.config import DTYPES
 from ..model.kv_cache import KV_DTYPES
@@ -16,7 +17,9 @@ from ..model.quant import MODES
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="Hugging Face checkpoint folder (default: the embedded model)")
+    p.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint folder or Hub repo id, e.g. Qwen/Qwen3-0.6B (default: the embedded model)")
+    p.add_argument("--revision", default=None, help="Hub branch, tag or commit of a --model repo id")
     p.add_argument("--dtype", default=None, choices=DTYPES)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
     p.add_argument("--quantize", default=None, choices=sorted(MODES), help="weight-only quantization at load")
@@ -56,7 +59,8 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 
 def make_llm(args: argparse.Namespace):
     from .llm import LLM
-    return LLM(args.model, engine_config(args), dtype=args.dtype, tp=args.tp, quantize=args.quantize)
+    return LLM(args.model, engine_config(args), dtype=args.dtype, tp=args.tp, quantize=args.quantize,
+               revision=args.revision)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -111,7 +115,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from ..model.kv_cache import default_kv_dtype
     from ..model.memory import per_device_bytes, plan_memory
     from .llm import DEFAULT_MODEL
-    model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp, quantize=args.quantize)
+    model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp, quantize=args.quantize,
+                       revision=args.revision)
     config = engine_config(args)
     c = model.config
     info = {
@@ -160,7 +165,11 @@ def main(argv: list[str] | None = None) -> int:
     handler.setFormatter(logging.Formatter("[pocketjax] %(message)s"))
     logging.getLogger("pocketjax").addHandler(handler)
     logging.getLogger("pocketjax").setLevel(logging.INFO)
-    return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "bench": cmd_bench}[args.command](args)
+    try:
+        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "bench": cmd_bench}[args.command](args)
+    except PocketJaxError as error:  # bad input is a one-line message and exit status 2, not a traceback
+        print(f"pocketjax: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -68,22 +68,28 @@ class RequestHandle:
         """Token ids as they are produced; raises the request's error at the end if it failed."""
         return self._follow(self._tokens)
 
-    def text_stream(self) -> Iterator[str]:
-        """Text pieces as they are produced (whole characters, cut before any stop string); needs a tokenizer."""
+    def tokens(self, timeout: float | None = None) -> Iterator[int]:
+        """Token ids as they are produced; TimeoutError when `timeout` seconds pass without a new one."""
+        return self._follow(self._tokens, timeout)
+
+    def text_stream(self, timeout: float | None = None) -> Iterator[str]:
+        """Text pieces as they are produced (whole characters, cut before any stop string); needs a tokenizer.
+        TimeoutError when `timeout` seconds pass without a new piece."""
         if self._detok is None:
             raise ConfigError("text_stream() needs a Scheduler created with a tokenizer")
-        return self._follow(self._pieces)
+        return self._follow(self._pieces, timeout)
 
     def __aiter__(self) -> AsyncIterator[int]:
         """`async for token in handle`: waits on an asyncio.Event the producer sets thread-safely, so no executor
         thread is parked per stream."""
         return self._afollow(self._tokens)
 
-    def _follow(self, items: list) -> Iterator:
+    def _follow(self, items: list, timeout: float | None = None) -> Iterator:
         i = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: len(items) > i or self.done())
+                if not self._cond.wait_for(lambda: len(items) > i or self.done(), timeout):
+                    raise TimeoutError(f"request {self.request_id!r}: nothing new within {timeout} s")
                 new, finished = items[i:], self.done()  # a finished request's items are all in
             yield from new
             i += len(new)

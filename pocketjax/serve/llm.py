@@ -20,7 +20,7 @@ DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "pocket-coder"
 
 
 class LLM:
-    """Load a checkpoint folder (default: the embedded model) and serve prompts through continuous batching.
+    """Load a checkpoint folder or Hub repo id (default: the embedded model) and serve prompts through continuous batching.
 
     `quantize` ("int8", "int4", "+head" variants) quantizes weights at load; `kv_dtype` ("int8", "float8_e4m3fn")
     quantizes the KV cache (about half the bytes of a 16-bit cache, so twice the slots or context per GiB).
@@ -33,11 +33,12 @@ class LLM:
     """
 
     def __init__(self, model: str | Path | Model | None = None, engine_config: EngineConfig | None = None, *,
-                 dtype: str | None = None, tp: int = 1, quantize: str | None = None, seed: int = 0,
+                 dtype: str | None = None, tp: int = 1, quantize: str | None = None, revision: str | None = None,
+                 seed: int = 0,
                  tokenizer: Tokenizer | None = None, **engine_options: Any):
         config = EngineConfig.of(engine_config, **engine_options)  # checked before the weights load
         if not isinstance(model, Model):
-            model = load_model(model or DEFAULT_MODEL, dtype=dtype, tp=tp, quantize=quantize)
+            model = load_model(model or DEFAULT_MODEL, dtype=dtype, tp=tp, quantize=quantize, revision=revision)
         self.model = model
         self.tokenizer = tokenizer
         if self.tokenizer is None and model.path and (Path(model.path) / "tokenizer.json").exists():
@@ -73,14 +74,19 @@ class LLM:
         if not self.started:
             self.scheduler.start()
             self.started = True
-        return self.scheduler.submit(self.encode(prompt), sampling or SamplingParams())
+        return self.scheduler.submit(self.encode(prompt), SamplingParams() if sampling is None else sampling)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[Completion]:
         """One Completion per prompt, in order; all prompts run concurrently (continuous batching)."""
+        if not isinstance(prompts, (str, Sequence, np.ndarray)):
+            raise RequestError("prompts must be a string, a list of token ids, or a list of strings or id lists, "
+                               f"got {type(prompts).__name__}")
         if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, float, np.number))):
             prompts = [prompts]
+        if not (sampling is None or isinstance(sampling, (SamplingParams, list, tuple))):
+            raise RequestError(f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}")
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")

@@ -21,10 +21,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from ..engine.engine import Engine, PendingDecode
 from ..engine.request import BatchedRequest, RequestStatus
 from ..engine.sampling import SamplingParams
-from ..errors import CapacityError, ConfigError, PocketJaxError, RequestError
+from ..engine.slots import hashable
+from ..errors import CapacityError, ConfigError, PocketJaxError, RequestError, StoppedError
 from .handle import RequestHandle
 from .tokenizer import StopStringMatcher, Tokenizer
 
@@ -51,6 +54,7 @@ class Scheduler:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stopped = False  # stop() was called (or the loop died) and start() not since: submit refuses
 
     # ---- callers (any thread) ------------------------------------------------------------------------------------
     def submit(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None,
@@ -60,8 +64,12 @@ class Scheduler:
         An invalid request does not raise here: its handle fails with the typed error, as it would at admission,
         so a caller handles every per-request failure in one place (result() or the stream).
         """
-        request = BatchedRequest(request_id, list(prompt_tokens), sampling or SamplingParams())
+        ids = isinstance(prompt_tokens, (Sequence, np.ndarray)) and not isinstance(prompt_tokens, str)
+        prompt = list(prompt_tokens) if ids else prompt_tokens  # anything else fails its handle in _check
+        request = BatchedRequest(request_id, prompt, SamplingParams() if sampling is None else sampling)
         with self._cond:
+            if self._stopped:
+                raise StoppedError("the scheduler was stopped: start() it again before submitting")
             if len(self.waiting) >= self.max_waiting:
                 raise CapacityError(f"waiting queue is full ({self.max_waiting} requests)")
             if request_id is None:
@@ -121,7 +129,7 @@ class Scheduler:
         with self._cond:
             if self._thread is not None:
                 return self
-            self._stopping = False
+            self._stopping = self._stopped = False
             self._thread = threading.Thread(target=self._loop, name="pocketjax-scheduler", daemon=True)
             self._thread.start()
         return self
@@ -129,7 +137,7 @@ class Scheduler:
     def stop(self) -> None:
         """Stop the background loop; requests still waiting or running end "cancelled" (result() returns)."""
         with self._cond:
-            self._stopping = True
+            self._stopping = self._stopped = True
             self._cond.notify_all()
             thread, self._thread = self._thread, None
         if thread is not None:
@@ -150,19 +158,30 @@ class Scheduler:
         self.stop()
 
     def _loop(self) -> None:
-        while True:
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._stopping or self.has_work())
+                    if self._stopping:
+                        return
+                try:
+                    self.step()
+                except Exception as error:  # noqa: BLE001 - a bug in delivery must not kill the loop and hang readers
+                    self._fail_running(error)
+        except BaseException as error:  # the thread dies (SystemExit, KeyboardInterrupt...): no handle may hang
             with self._cond:
-                self._cond.wait_for(lambda: self._stopping or self.has_work())
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except Exception as error:  # noqa: BLE001 - a bug in delivery must not kill the loop and hang readers
-                self._fail_running(error)
+                self._stopped, self._thread = True, None
+                for handle in list(self.waiting) + list(self.running):
+                    self._release(handle)
+                    handle.fail(StoppedError(f"the scheduler loop died: {error!r}"))
+                self.waiting.clear()
+            raise
 
     # ---- internals (the loop thread; `self._cond` held where noted) ----------------------------------------------
     def _check(self, request: BatchedRequest) -> None:
         """Raise the typed error a request would hit later, so it fails at submit. Holds `self._cond`."""
+        if not hashable(request.request_id):
+            raise RequestError(f"request_id must be hashable, got {type(request.request_id).__name__}")
         if request.request_id in self._live:
             raise RequestError(f"request_id {request.request_id!r} is already in flight")
         self.engine.validate(request)

@@ -11,7 +11,6 @@ import os
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import jinja2
@@ -23,6 +22,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
 from ..errors import CheckpointError, RequestError
+from ..model.hub import resolve_checkpoint
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -57,9 +57,14 @@ class Tokenizer:
         }
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike) -> Tokenizer:
-        """Load tokenizer.json, tokenizer_config.json and any chat_template.jinja from an HF checkpoint folder."""
-        folder = Path(path)
+    def from_folder(cls, path: str | os.PathLike, *, revision: str | None = None,
+                    local_files_only: bool = False) -> Tokenizer:
+        """Load tokenizer.json, tokenizer_config.json and any chat_template.jinja from an HF checkpoint folder.
+
+        `path` may be a Hub repo id ("Qwen/Qwen3-0.6B", at `revision`): only the tokenizer files are downloaded.
+        """
+        folder = resolve_checkpoint(path, revision, local_files_only,
+                                    files=(TOKENIZER_FILE, CONFIG_FILE, TEMPLATE_FILE, f"{TEMPLATE_DIR}/*.jinja"))
         tokenizer_file = folder / TOKENIZER_FILE
         if not tokenizer_file.is_file():
             raise CheckpointError(f"{tokenizer_file} is missing: pocketjax needs the fast tokenizer file")
@@ -119,7 +124,10 @@ class Tokenizer:
         """Token ids of `text`; special-token text such as "<|im_end|>" becomes its single special id."""
         if not isinstance(text, str):
             raise RequestError(f"text to encode must be str, got {type(text).__name__}")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as error:  # noqa: BLE001 - the Rust binding raises plain Exception/TypeError (a lone surrogate)
+            raise RequestError(f"text cannot be encoded: {error}") from error
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete UTF-8 sequences become U+FFFD, as in transformers."""
@@ -154,8 +162,14 @@ class Tokenizer:
             raise RequestError("continue_final_message and add_generation_prompt are mutually exclusive")
         if not messages:
             raise RequestError("cannot apply a chat template to an empty conversation")
-        if any(not isinstance(m, Mapping) for m in messages):
-            raise RequestError("chat messages must be dicts with 'role' and 'content'")
+        for i, m in enumerate(messages):
+            if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not m["role"]:
+                raise RequestError(f"chat message {i} must be a dict with a 'role' string, got {m!r:.80}")
+            content = m.get("content")
+            if not (content is None or isinstance(content, str)
+                    or (isinstance(content, Sequence) and all(isinstance(p, Mapping) for p in content))):
+                raise RequestError(f"chat message {i}: 'content' must be a string, a list of content parts (dicts) "
+                                   f"or None, got {type(content).__name__}")
         if tools is not None and any(not isinstance(t, Mapping) for t in tools):
             raise RequestError("tools must be JSON-schema dicts")
         source = self.get_chat_template(chat_template, tools)
