@@ -60,6 +60,9 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--model", default=default("qwen3-0.6b"), help=f"HF folder or a preset: {', '.join(PRESETS)}")
     p.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16", "float16"],
                    help="the checkpoint's dtype (presets are built in it); peers run in it")
+    p.add_argument("--quantize", default=default(""),
+                   help="comma-separated weight quantizations pocketjax runs, each its own rows ('none', int8, int4, "
+                        "int8+head, int4+head; empty: none)")
     p.add_argument("--load-dtypes", default=default(""),
                    help="comma-separated dtypes pocketjax loads the same checkpoint in, each its own rows "
                         "('default': load_model's default for it; empty: --dtype)")
@@ -104,6 +107,7 @@ def resolve_args(args: argparse.Namespace | dict | None = None, **kwargs) -> Sim
     out["concurrency"] = parse_ints(out["concurrency"])
     out["peers"] = parse_names(out["peers"])
     out["load_dtypes"] = parse_names(out["load_dtypes"]) or [out["dtype"]]
+    out["quantize"] = [None if q == "none" else q for q in parse_names(out["quantize"])] or [None]
     unknown = [p for p in out["peers"] if p not in PEERS]
     if unknown:
         raise SystemExit(f"unknown peer(s) {unknown}: choose from {', '.join(PEERS)}")
@@ -363,8 +367,9 @@ def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: Simple
             "host_ms": ms["step"] - ms["forward"] - ms["sampler"]}
 
 
-def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str) -> tuple[list[dict], ModelConfig]:
-    model = load_model(str(folder), dtype=None if load_dtype == "default" else load_dtype)
+def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str, quantize: str | None = None
+                    ) -> tuple[list[dict], ModelConfig]:
+    model = load_model(str(folder), dtype=None if load_dtype == "default" else load_dtype, quantize=quantize)
     dtype = jnp.dtype(model.dtype).name
     engine = Engine(model, max_batch_size=max(args.concurrency), max_seq_len=args.max_seq_len,
                     prefill_chunk=args.prefill_chunk, attention_impl=args.attention)
@@ -381,7 +386,7 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str) -> tup
             decodes.append(sum(step_s))
             steps.extend(step_s)
         n_steps = args.gen_len - 1
-        rec = {"system": "pocketjax", "dtype": dtype, "concurrency": c, "load_dtype": load_dtype,
+        rec = {"system": "pocketjax", "dtype": dtype, "concurrency": c, "load_dtype": load_dtype, "quantize": quantize,
                "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
                "decode_tok_s": c * n_steps / float(np.median(decodes)),
                "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
@@ -398,7 +403,8 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str) -> tup
         checks = overhead_checks(model, engine, prompts, args)
         c1 = next((r for r in records if r["concurrency"] == 1), None)
         if c1 is None:
-            records.append(c1 := {"system": "pocketjax", "dtype": dtype, "concurrency": 1, "load_dtype": load_dtype})
+            records.append(c1 := {"system": "pocketjax", "dtype": dtype, "concurrency": 1, "load_dtype": load_dtype,
+                                  "quantize": quantize})
         c1.update(checks)
         print(f"pocketjax checks: batched/minimal per-token {checks['batched_vs_minimal_ratio']:.3f} "
               f"(target <= 1.05), 2x max_seq_len step ratio {checks['doubled_max_seq_len_ratio']:.3f} "
@@ -576,13 +582,18 @@ def run_llamacpp(path: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
 
 # ---- roofline, output -----------------------------------------------------------------------------------------------
 
+def variant(rec: dict) -> tuple:
+    """What a record measured, concurrency aside: its system, dtype and weight quantization."""
+    return rec["system"], rec["dtype"], rec.get("quantize")
+
+
 def add_roofline(records: list[dict], config: ModelConfig, args: SimpleNamespace, peaks: roofline.Peaks) -> None:
     """Each record's decode as % of the bandwidth bound (and of the tighter roofline), prefill as % of matmul peak.
 
     Decode context is the mean active length over the timed steps: prompt_len + gen_len / 2.
     """
     by_c = {r["concurrency"]: r for r in records  # pocketjax in the checkpoint's dtype, beside the peers
-            if r["system"] == "pocketjax" and r["dtype"] == args.dtype and "decode_tok_s" in r}
+            if r["system"] == "pocketjax" and r["dtype"] == args.dtype and not r.get("quantize") and "decode_tok_s" in r}
     context = args.prompt_len + args.gen_len / 2
     for rec in records:
         if "decode_tok_s" not in rec:
@@ -591,8 +602,8 @@ def add_roofline(records: list[dict], config: ModelConfig, args: SimpleNamespace
         bound = roofline.decode_bound_tok_s(config, rec["dtype"], c, context, peaks)
         flops_per_prefill = roofline.prefill_flops(config, c, args.prompt_len)
         prefill_s = c * args.prompt_len / rec["prefill_tok_s"]
-        same_system_c1 = next((r for r in records if (r["system"], r["dtype"]) == (rec["system"], rec["dtype"])
-                               and r["concurrency"] == 1 and "decode_tok_s" in r), None)
+        same_system_c1 = next((r for r in records if variant(r) == variant(rec) and r["concurrency"] == 1
+                               and "decode_tok_s" in r), None)
         rec.update({
             "decode_ratio_vs_c1": rec["decode_tok_s"] / same_system_c1["decode_tok_s"] if same_system_c1 else None,
             "prefill_ratio_vs_c1": rec["prefill_tok_s"] / same_system_c1["prefill_tok_s"] if same_system_c1 else None,
@@ -606,6 +617,10 @@ def add_roofline(records: list[dict], config: ModelConfig, args: SimpleNamespace
             "achieved_prefill_gflop_s": flops_per_prefill / prefill_s / 1e9,
             "pct_matmul_peak": 100 * flops_per_prefill / prefill_s / peaks.matmul_flop_s,
         })
+        if rec.get("quantize"):  # the roofline counts float weights: no bandwidth share for quantized ones
+            for key in ("decode_bytes_per_step", "achieved_decode_gb_s", "bandwidth_bound_tok_s", "roofline_tok_s",
+                        "pct_bandwidth_roofline", "pct_roofline"):
+                rec[key] = None
         if rec["system"] != "pocketjax" and c in by_c:
             rec["pocketjax_decode_speedup"] = by_c[c]["decode_tok_s"] / rec["decode_tok_s"]
 
@@ -623,7 +638,8 @@ def markdown_table(records: list[dict]) -> str:
             continue
         split = ("-" if "forward_ms" not in r else
                  f"{r['forward_ms']:.1f} / {r['lm_head_ms']:.1f} / {r['sampler_ms']:.1f} / {r['host_ms']:.1f}")
-        lines.append(f"| {r['system']} | {r['dtype']} | {r['concurrency']} | {fmt(r['prefill_tok_s'], '.1f')} | "
+        dtype = r["dtype"] + (f" {r['quantize']}" if r.get("quantize") else "")
+        lines.append(f"| {r['system']} | {dtype} | {r['concurrency']} | {fmt(r['prefill_tok_s'], '.1f')} | "
                      f"{fmt(r['decode_tok_s'], '.2f')} | {fmt(r.get('decode_ratio_vs_c1'), '.2f')} | "
                      f"{fmt(r.get('decode_step_ms'), '.1f')} | {split} | "
                      f"{fmt(r.get('pct_bandwidth_roofline'), '.1f')} | {fmt(r.get('pct_matmul_peak'), '.1f')} |")
@@ -702,11 +718,12 @@ def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> di
     result = {"machine": machine, "records": []}
     records = result["records"]
     for load_dtype in args.load_dtypes:
-        t0 = time.perf_counter()
-        rows, config = bench_pocketjax(folder, args, load_dtype)
-        records += rows
-        phases[f"pocketjax-{load_dtype}"] = time.perf_counter() - t0
-        save(result, config, args, peaks)  # after each system, so a long run that is stopped keeps what it measured
+        for quantize in args.quantize:
+            t0 = time.perf_counter()
+            rows, config = bench_pocketjax(folder, args, load_dtype, quantize)
+            records += rows
+            phases[f"pocketjax-{load_dtype}-{quantize or 'float'}"] = time.perf_counter() - t0
+            save(result, config, args, peaks)  # after each system, so a long run that is stopped keeps what it measured
     peers = {"transformers": bench_transformers, "llamacpp": bench_llamacpp}
     for name in args.peers:
         t0 = time.perf_counter()

@@ -4,6 +4,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ["POCKETJAX_COMPILE_CACHE_DIR"] = "off"  # tests never write the user's compile cache (their own tests opt in)
 
 import jax  # noqa: E402
 

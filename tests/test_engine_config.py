@@ -5,10 +5,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 
 import pocketjax as pj
-from pocketjax.engine.config import ENVIRONMENT, EngineConfig
+from pocketjax.engine.config import ENVIRONMENT, EngineConfig, default_compile_cache_dir, use_compile_cache
 from pocketjax.errors import ConfigError
 from pocketjax.serve.cli import main
 
@@ -71,17 +72,55 @@ def test_engine_llm_and_cli_read_the_environment(monkeypatch, capsys, hf_checkpo
         pj.Engine(model)
 
 
-def test_compile_cache_folder_keeps_programs_across_processes(tmp_path, hf_checkpoint):
+def test_compile_cache_default_is_per_user_and_off_turns_it_off(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    assert default_compile_cache_dir({"XDG_CACHE_HOME": str(tmp_path)}) == tmp_path / "pocketjax" / "xla"
+    assert default_compile_cache_dir({"XDG_CACHE_HOME": "rel"}) == home / ".cache" / "pocketjax" / "xla"
+    assert default_compile_cache_dir({}) == home / ".cache" / "pocketjax" / "xla"
+    variable = ENVIRONMENT["compile_cache_dir"]
+    assert EngineConfig.of(environ={variable: "off"}).compile_cache_dir == "off"
+    assert EngineConfig.of(environ={variable: " "}).compile_cache_dir is None  # blank is unset: the default
+    with pytest.raises(ConfigError, match="compile_cache_dir must be a folder path or 'off'"):
+        EngineConfig.of(compile_cache_dir="")
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    with pytest.raises(ConfigError, match="a_file/xla' cannot be created"):
+        use_compile_cache(blocked / "xla")
+    before = jax.config.jax_compilation_cache_dir
+    try:  # JAX's own folder, once set, wins over the default; "off" never touches it
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax_own"))
+        use_compile_cache(None)
+        use_compile_cache("off")
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "jax_own")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    assert not (tmp_path / "jax_own").exists() and not home.exists()
+
+
+def test_compile_cache_keeps_programs_across_processes(tmp_path, hf_checkpoint):
     """Separate processes: JAX's compilation cache setting is process-wide."""
-    folder, cache = hf_checkpoint("qwen3_gqa4_headdim"), tmp_path / "compiled"
+    folder, xdg = hf_checkpoint("qwen3_gqa4_headdim"), tmp_path / "xdg"
     code = (f"import pocketjax as pj; llm = pj.LLM({str(folder)!r}, max_batch_size=1, max_seq_len=64); "
             "print(llm.generate([[1, 2, 3]], pj.SamplingParams(max_tokens=2, temperature=0.0))[0].token_ids); "
             "llm.close()")
-    env = {**os.environ, ENVIRONMENT["compile_cache_dir"]: str(cache)}
-    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert first.returncode == 0, first.stderr
-    entries = sorted(p.name for p in Path(cache).rglob("*") if p.is_file())
-    assert entries, "nothing was written to the compile cache"
-    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0 and second.stdout == first.stdout, second.stderr
-    assert sorted(p.name for p in Path(cache).rglob("*") if p.is_file()) == entries  # all found, none added
+    variable = ENVIRONMENT["compile_cache_dir"]
+    env = {k: v for k, v in os.environ.items() if k != variable and not k.startswith("JAX_COMPILATION_CACHE")}
+
+    def run(**extra: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=600, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def entries(cache: Path) -> list[str]:
+        return sorted(p.name for p in cache.rglob("*") if p.is_file())
+
+    first = run(XDG_CACHE_HOME=str(xdg))  # nothing set: the per-user folder
+    cache = xdg / "pocketjax" / "xla"
+    written = entries(cache)
+    assert written, "nothing was written to the default compile cache"
+    assert run(XDG_CACHE_HOME=str(tmp_path / "elsewhere"), **{variable: str(cache)}) == first  # the folder named
+    assert entries(cache) == written and not (tmp_path / "elsewhere").exists()  # all found, none added
+    assert run(XDG_CACHE_HOME=str(tmp_path / "off"), **{variable: "off"}) == first
+    assert not (tmp_path / "off").exists()

@@ -1,5 +1,6 @@
 """Weight-only quantization: round-trip bounds, packing layouts, quantized logits, AWQ/GPTQ checkpoints."""
 import json
+import re
 import shutil
 
 import jax
@@ -259,3 +260,20 @@ def test_prequantized_checkpoint_config_errors(hf_checkpoint, tmp_path):
         (bad / "config.json").write_text(json.dumps(cfg | {"quantization_config": cfg["quantization_config"] | change}))
         with pytest.raises(ConfigError, match=match):
             pj.load_model(bad)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7])
+def test_int8_product_is_an_integer_dot_within_the_activation_rounding(rows):
+    """On CPU, per-channel int8 weights multiply as s8 x s8 -> s32 with x quantized per row (W8A8): its error
+    against x @ dequantize(W) is at most half a step of each row's int8 grid times sum_k |W[k, j]|."""
+    rng = np.random.default_rng(rows)
+    w = quant.quantize(rng.standard_normal((64, 48)).astype(np.float32), 8)
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    got = np.asarray(quant.matmul(jnp.asarray(x), jax.device_put(w)), np.float64)
+    deq = np.asarray(quant.dequantize(w), np.float64)
+    half_step = np.abs(x).max(axis=1, keepdims=True) / 127 / 2
+    bound = half_step * np.abs(deq).sum(axis=0)[None] + 1e-5 * np.abs(x @ deq) + 1e-6
+    assert np.all(np.abs(got - x.astype(np.float64) @ deq) <= bound)
+    text = jax.jit(quant.matmul).lower(jnp.asarray(x), jax.device_put(w)).as_text()
+    assert re.search(rf"dot_general.*\(tensor<{max(rows, 2)}x64xi8>, tensor<64x48xi8>\) -> tensor<{max(rows, 2)}x48xi32>",
+                     text), "not an s8 x s8 -> s32 dot over >= 2 rows"

@@ -5,12 +5,15 @@ changes): each fills a field the caller did not pass; an explicit argument alway
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 from ..errors import ConfigError
 from ..model.kv_cache import check_kv_dtype
@@ -24,6 +27,8 @@ ENVIRONMENT = {  # field -> variable
     "kv_dtype": "POCKETJAX_KV_DTYPE",
     "compile_cache_dir": "POCKETJAX_COMPILE_CACHE_DIR",
 }
+OFF = "off"  # compile_cache_dir (or POCKETJAX_COMPILE_CACHE_DIR) that keeps compiled programs in this process only
+log = logging.getLogger("pocketjax")
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,10 @@ class EngineConfig:
     min_kv_bucket: int = 128
     min_prefill_bucket: int = 16
     kv_dtype: str | None = None  # None: the model's dtype; "int8" / "float8_e4m3fn": quantized with scales
-    compile_cache_dir: str | None = None  # JAX's persistent compilation cache, kept across processes (None: off)
+    # JAX's persistent compilation cache, kept across processes. None: the per-user folder
+    # ($XDG_CACHE_HOME/pocketjax/xla, else ~/.cache/pocketjax/xla) unless JAX's own cache folder is already set;
+    # "off": none (JAX's setting is left alone); any other string: that folder.
+    compile_cache_dir: str | None = None
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, *, environ: Mapping[str, str] | None = None,
@@ -84,15 +92,42 @@ class EngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}")
         check_kv_dtype(self.kv_dtype)
-        if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, (str, os.PathLike)):
-            raise ConfigError(f"compile_cache_dir must be a folder path, got {self.compile_cache_dir!r}")
+        folder = self.compile_cache_dir
+        if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder).strip()):
+            raise ConfigError(f"compile_cache_dir must be a folder path or {OFF!r}, got {folder!r}")
 
 
-def use_compile_cache(folder: str | os.PathLike | None) -> None:
-    """Keep every compiled program in `folder` (JAX's persistent cache), so the next process skips compiling the
-    same shapes. Process-wide, as JAX's cache is; None leaves JAX's setting alone."""
-    if folder is None:
+def default_compile_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The per-user folder for compiled programs: $XDG_CACHE_HOME/pocketjax/xla, else ~/.cache/pocketjax/xla."""
+    base = (os.environ if environ is None else environ).get("XDG_CACHE_HOME", "")
+    root = Path(base) if os.path.isabs(base) else Path.home() / ".cache"  # the XDG spec ignores a relative one
+    return root / "pocketjax" / "xla"
+
+
+def use_compile_cache(setting: str | os.PathLike | None) -> None:
+    """Keep every compiled program in the folder `setting` names (JAX's persistent cache), so the next process
+    reads the same shapes from disk instead of compiling them. Process-wide, as JAX's cache is.
+
+    None: the per-user folder, unless JAX's cache folder is already set (JAX_COMPILATION_CACHE_DIR, an earlier
+    call), and none (logged) if it cannot be created. "off": JAX's setting is left alone (off unless set).
+    """
+    current = jax.config.jax_compilation_cache_dir
+    if setting == OFF or (setting is None and current is not None):
         return
-    jax.config.update("jax_compilation_cache_dir", os.fspath(folder))
+    try:
+        folder = Path(setting).expanduser().absolute() if setting is not None else default_compile_cache_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+    except (OSError, RuntimeError) as error:  # RuntimeError: Path.home() without a home
+        if setting is not None:
+            raise ConfigError(f"compile_cache_dir={os.fspath(setting)!r} cannot be created: {error}") from None
+        log.warning("pocketjax: no compile cache (%s); compile_cache_dir= names a folder", error)
+        return
+    if current == str(folder):
+        return
+    if current is not None:
+        compilation_cache.reset_cache()  # JAX opens its cache once per process: reopen it in the new folder
+    jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the engine's steps are worth keeping
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    log.info("pocketjax: compiled programs kept in %s (compile_cache_dir=%r or %s=%s turns this off)", folder, OFF,
+             ENVIRONMENT["compile_cache_dir"], OFF)

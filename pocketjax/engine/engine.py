@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import CapacityError, ConfigError, RequestError
 from ..model.decoder import Model
@@ -29,6 +30,7 @@ from .sampling import MAX_LOGPROBS, SampleOutput, SamplingParams, pack_sampling
 from .slots import SlotTable
 from .steps import (STEP_FUNCTIONS, Penalties, bucket, copy_slot_prefix, decode_step, prefill_step, sample_first,
                     sample_next)
+from .warmup import warmup as warm_up
 
 
 @dataclass(eq=False)
@@ -136,6 +138,8 @@ class Engine:
         else:
             self.cache = init_cache(*shape)
         self.penalties = Penalties.zeros(n, c.vocab_size)
+        if mesh is not None:  # replicated over the mesh, as the sampler returns it: one compile, not two
+            self.penalties = jax.device_put(self.penalties, NamedSharding(mesh, PartitionSpec()))
         self.slots = SlotTable(n)
 
     def allocate_slot(self, request: BatchedRequest | Any) -> int:
@@ -399,6 +403,12 @@ class Engine:
     def _reaches_length(self, req: BatchedRequest, generated: int) -> bool:
         """True when `generated` tokens end req by length: max_tokens, or the cache's last position."""
         return generated >= req.sampling.max_tokens or len(req.prompt_tokens) + generated >= self.max_seq_len
+
+    def warmup(self, progress: bool = True) -> int:
+        """Compile every step shape this engine can call (`warmup.signatures`), so no request waits for a compile;
+        returns how many were new. Run it while nothing else drives the engine, and again after
+        `allocate_batch_slots`."""
+        return warm_up(self, progress=progress)
 
     def compiled_count(self) -> int:
         """How many call signatures the step functions hold so far (a steady workload must not add any).

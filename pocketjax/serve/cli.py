@@ -30,7 +30,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--attention", dest="attention_impl", choices=ATTENTION_IMPLS)
     engine.add_argument("--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, help="KV cache dtype (default: the model's)")
     engine.add_argument("--compile-cache-dir", dest="compile_cache_dir",
-                        help="keep compiled programs in this folder across runs (JAX's persistent cache)")
+                        help="JAX's persistent compilation cache folder (default ~/.cache/pocketjax/xla; 'off')")
+    p.add_argument("--warmup", action="store_true", help="compile every engine shape before the first request")
 
 
 ENGINE_OPTIONS = tuple(ENVIRONMENT)  # every option a flag or a POCKETJAX_* variable sets
@@ -60,7 +61,7 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 def make_llm(args: argparse.Namespace):
     from .llm import LLM
     return LLM(args.model, engine_config(args), dtype=args.dtype, tp=args.tp, quantize=args.quantize,
-               revision=args.revision)
+               revision=args.revision, warmup=args.warmup)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

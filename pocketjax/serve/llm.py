@@ -34,7 +34,7 @@ class LLM:
 
     def __init__(self, model: str | Path | Model | None = None, engine_config: EngineConfig | None = None, *,
                  dtype: str | None = None, tp: int = 1, quantize: str | None = None, revision: str | None = None,
-                 seed: int = 0,
+                 seed: int = 0, warmup: bool = False,
                  tokenizer: Tokenizer | None = None, **engine_options: Any):
         config = EngineConfig.of(engine_config, **engine_options)  # checked before the weights load
         if not isinstance(model, Model):
@@ -44,6 +44,8 @@ class LLM:
         if self.tokenizer is None and model.path and (Path(model.path) / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_folder(model.path)
         self.engine = Engine(model, config, seed=seed)
+        if warmup:  # every shape compiled now (and kept in the compile cache), none in the middle of serving
+            self.engine.warmup()
         self.scheduler = Scheduler(self.engine, max_waiting=1 << 20, tokenizer=self.tokenizer)  # generate() queues all
         self.started = False
 

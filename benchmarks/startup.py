@@ -1,0 +1,142 @@
+"""Startup: a fresh process's time to its first token with the persistent compile cache off, cold and warm, and
+what `warmup()` compiles (shapes, seconds) cold and from the cache. Prints a markdown table last.
+
+    python benchmarks/startup.py [--model qwen3-tiny|qwen3-0.6b|PATH] [--max-seq-len N] [--max-batch-size N]
+                                 [--json out/startup.json] [--no-warmup]
+
+Each row is its own Python process (`--child`): import pocketjax, load the model, build the Engine, (warm up,)
+prefill one prompt and read its first token. "from launch" is the parent's wall clock from starting the process to
+that token; the other columns are the child's own phases. One unrecorded process runs first: on 2 CPU cores the
+first one paid ~10 s more (disk, and the OS handing out the KV cache's memory the first time). The cache rows
+share one fresh folder: "cold" writes it, "warm" reads it; the warm-up rows do the same with a second folder.
+Warm-up runs every shape for real: on CPU that is part of its time (8.5 of ~20 s for Qwen3-0.6B shapes, 2 slots x
+256 positions, from a warm cache, on 2 busy cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+# Nothing that imports jax or pocketjax at the top: a child process times those imports itself.
+
+VARIABLE = "POCKETJAX_COMPILE_CACHE_DIR"
+RUNS = (  # name, compile cache folder ("cache" or "warmup": a fresh folder shared by the pair), warm up
+    ("no cache", "off", False), ("cold cache", "cache", False), ("warm cache", "cache", False),
+    ("warm-up, cold cache", "warmup", True), ("warm-up, warm cache", "warmup", True),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-tiny", help="HF folder or a preset of benchmarks/presets.py")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-seq-len", type=int, default=2048, help="engine max_seq_len (the engine's default)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="engine slots (the engine's default)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the two warm-up rows")
+    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
+    p.add_argument("--json", default=None, help="write {machine, settings, records} here")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one measured process: its compile cache
+    p.add_argument("--child-warmup", action="store_true", help=argparse.SUPPRESS)
+    return p
+
+
+def child(args: argparse.Namespace) -> dict:
+    """One fresh process's phases, in seconds, up to its first token."""
+    t0 = time.perf_counter()
+    import numpy as np
+
+    import pocketjax as pj
+    from pocketjax.engine.request import BatchedRequest
+    from pocketjax.engine.warmup import warmup
+
+    t1 = time.perf_counter()
+    model = pj.load_model(args.model, dtype=args.dtype)
+    t2 = time.perf_counter()
+    engine = pj.Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                       compile_cache_dir=args.child)
+    t3 = time.perf_counter()
+    shapes = warmup(engine, progress=False) if args.child_warmup else 0
+    t4 = time.perf_counter()
+    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_len).tolist()
+    req = BatchedRequest(0, prompt, pj.SamplingParams(max_tokens=1, temperature=0.0))
+    engine.allocate_slot(req)
+    token = engine.batch_prefill([req])[0]
+    t5 = time.perf_counter()
+    return {"first_token_wall": time.time(), "token": token, "import_s": t1 - t0, "load_s": t2 - t1,
+            "engine_s": t3 - t2, "warmup_shapes": shapes, "warmup_s": t4 - t3, "first_token_s": t5 - t4,
+            "compiled": engine.compiled_count()}
+
+
+def measure(args: SimpleNamespace, folder: Path, cache: str, warm_up: bool) -> dict:
+    """Run one child process; its phases, its time to first token from launch and the cache folder's size after."""
+    cmd = [sys.executable, __file__, "--child", cache, "--model", str(folder), "--dtype", args.dtype,
+           "--max-seq-len", str(args.max_seq_len), "--max-batch-size", str(args.max_batch_size),
+           "--prompt-len", str(args.prompt_len)] + (["--child-warmup"] if warm_up else [])
+    env = {k: v for k, v in os.environ.items() if k != VARIABLE and not k.startswith("JAX_COMPILATION_CACHE")}
+    launched = time.time()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"child failed ({' '.join(cmd)}):\n{done.stderr}")
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    record["from_launch_s"] = record.pop("first_token_wall") - launched
+    files = [p for p in Path(cache).rglob("*") if p.is_file()] if cache != "off" else []
+    record.update(cache_entries=len(files), cache_bytes=sum(p.stat().st_size for p in files))
+    return record
+
+
+def table(records: list[dict]) -> str:
+    lines = [("| run | from launch s | import s | load s | engine s | warm-up shapes | warm-up s | first token s | "
+              "cache entries | cache MiB |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['run']} | {r['from_launch_s']:.2f} | {r['import_s']:.2f} | {r['load_s']:.2f} | "
+                     f"{r['engine_s']:.2f} | {r['warmup_shapes']} | {r['warmup_s']:.2f} | {r['first_token_s']:.2f} | "
+                     f"{r['cache_entries']} | {r['cache_bytes'] / 2**20:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(args)))
+        return {}
+    from benchmarks.bench_engine import model_folder
+
+    folder = model_folder(SimpleNamespace(model=args.model, cache_dir=args.cache_dir, dtype=args.dtype))
+    measure(args, folder, "off", False)  # unrecorded: the first process alone pays the disk and the OS's memory
+    work = Path(tempfile.mkdtemp(prefix="pocketjax-startup-"))
+    t0 = time.perf_counter()
+    records = []
+    try:
+        for name, cache, warm_up in RUNS:
+            if warm_up and not args.warmup:
+                continue
+            record = measure(args, folder, cache if cache == "off" else str(work / cache), warm_up)
+            records.append({"run": name, **record})
+            print(f"{name}: {record['from_launch_s']:.2f} s to the first token", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    import jax
+
+    machine = {"jax": jax.__version__, "backend": jax.default_backend(), "cores": len(os.sched_getaffinity(0)),
+               "loadavg": list(os.getloadavg()), "seconds": time.perf_counter() - t0}
+    out = {"machine": machine, "settings": {k: v for k, v in vars(args).items() if not k.startswith(("json", "child"))},
+           "records": records}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    print(table(records))
+    return out
+
+
+if __name__ == "__main__":
+    main()
