@@ -12,8 +12,9 @@ import torch
 import transformers
 
 import pocketjax as pj
-from pocketjax.engine.request import BatchedRequest
 from pocketjax.model import layers
+
+from test_engine import run
 
 GREEDY = pj.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -44,11 +45,7 @@ def test_bfloat16_engine_keeps_16_bit_weights_and_greedy_matches_transformers(hf
     assert pj.Engine(model, max_batch_size=1, max_seq_len=64, kv_dtype="bfloat16").cache.k[0].dtype == jnp.bfloat16
     engine = pj.Engine(model, max_batch_size=2, max_seq_len=64)
     assert engine.cache.k[0].dtype == jnp.float32  # on CPU: XLA:CPU has no fast 16-bit cache writes
-    req = BatchedRequest(0, prompt, GREEDY)
-    engine.allocate_slot(req)
-    engine.batch_prefill([req])
-    while not req.finished:
-        engine.batch_decode_step([req])
+    (req,) = run(engine, [prompt], GREEDY)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():  # greedy in float32 from the same bf16 weights; bf16 rounding may flip near-ties only
         ids = torch.tensor([prompt + req.generated_tokens])

@@ -8,6 +8,8 @@ from pocketjax.engine.request import BatchedRequest
 from pocketjax.engine.steps import STEP_FUNCTIONS
 from pocketjax.engine.warmup import Signature, signatures, warmup
 
+from test_engine import run
+
 # Off sizes on purpose: 3 slots, 96 positions and chunks of 48 cap every bucket below the next power of two, and no
 # other test compiles these shapes. The compile cache is off explicitly: no test writes into the user's folder.
 OPTIONS = dict(max_batch_size=3, max_seq_len=96, prefill_chunk=48, min_kv_bucket=32, compile_cache_dir="off")
@@ -75,15 +77,8 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model):
     for length in (3, 50, 70):
         sched.submit(rng.integers(0, vocab, length).tolist(), pj.SamplingParams(max_tokens=3, logprobs=2))
     run_until_done(sched)
-    reqs = [BatchedRequest(i, rng.integers(0, vocab, n).tolist(), pj.SamplingParams(max_tokens=3))
-            for i, n in enumerate((60, 20, 94))]
-    for req in reqs:  # the batch API without a budget: every prompt in one call per chunk
-        engine.allocate_slot(req)
-    engine.batch_prefill(reqs)
-    while not all(r.finished for r in reqs):
-        engine.batch_decode_step(reqs)
-    for req in reqs:
-        engine.free_slot(req.request_id)
+    # the batch API without a budget: every prompt in one call per chunk
+    run(engine, [rng.integers(0, vocab, n).tolist() for n in (60, 20, 94)], pj.SamplingParams(max_tokens=3))
     assert engine.compiled_count() == compiled
 
 
