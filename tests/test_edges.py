@@ -73,10 +73,12 @@ def test_engine_batch_api_rejects_what_is_not_a_request(model):
                              (engine.free_slot, ["unhashable"], "holds no slot")]:
         with pytest.raises(RequestError, match=match):
             call(arg)
-    req = BatchedRequest("r", "some text", GREEDY)
-    engine.allocate_slot(req)
+    for prompt in ("some text", None):  # checked when the slot is asked for, as at prefill
+        with pytest.raises(RequestError, match="prompt_tokens must be a list of token ids"):
+            engine.allocate_slot(BatchedRequest("r", prompt, GREEDY))
+    engine.allocate_slot("r")  # by id: the request is checked at prefill
     with pytest.raises(RequestError, match="prompt_tokens must be a list of token ids, got str"):
-        engine.batch_prefill([req])
+        engine.batch_prefill([BatchedRequest("r", "some text", GREEDY)])
     with pytest.raises(RequestError, match="token_budget"):
         engine.batch_prefill([BatchedRequest("r", [1, 2], GREEDY)], token_budget=0)
     engine.free_slot("r")

@@ -123,18 +123,17 @@ class Engine:
             raise ConfigError(f"number of slots must be a positive integer, got {n!r}")
         if self.slots.owner:
             raise CapacityError(f"cannot reallocate slots while {len(self.slots.owner)} are held")
-        c = self.model.config
+        c, mesh = self.model.config, self.model.mesh
         self.cache = self.penalties = None  # drop the old cache before allocating the new one
         kv_dtype = self.config.kv_dtype or default_kv_dtype(self.model.dtype)
         shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, kv_dtype)
-        mesh = self.model.mesh
         plan = plan_memory(c, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=jnp.dtype(self.model.dtype).name,
                            kv_dtype=kv_dtype, slots=n, max_seq_len=self.config.max_seq_len)
         check_fits(f"a KV cache of {n} slots x {self.config.max_seq_len} positions", plan.kv_cache,
                    list(mesh.devices.flat) if mesh is not None else jax.devices()[:1],
                    "use fewer slots (max_batch_size), a shorter max_seq_len, kv_dtype='int8', or tp=2")
-        if self.model.mesh is not None:  # created in its shards: the whole cache may not fit on one device
-            self.cache = init_sharded_cache(self.model.mesh, *shape)
+        if mesh is not None:  # created in its shards: the whole cache may not fit on one device
+            self.cache = init_sharded_cache(mesh, *shape)
         else:
             self.cache = init_cache(*shape)
         self.penalties = Penalties.zeros(n, c.vocab_size)
@@ -149,8 +148,10 @@ class Engine:
         longer prefix from any other slot on device, sets `cached_prefix_len`, and moves it to PREFILLING.
         """
         req = request if isinstance(request, BatchedRequest) else None
-        if req is not None and req.in_flight:
-            raise RequestError(f"request {req.request_id!r} still has a decode step in flight")
+        if req is not None:
+            self.validate(req)
+            if req.in_flight:
+                raise RequestError(f"request {req.request_id!r} still has a decode step in flight")
         request_id = req.request_id if req else request
         alloc = self.slots.allocate(request_id, list(req.prompt_tokens) if req else None)
         if alloc.donor is not None:
