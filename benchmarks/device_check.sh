@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# GPU check of the Pallas attention kernels: the kernel tests compiled for the GPU (not interpreted),
-# then the kernel timings. Run from the repo root on a machine whose python already has jax with
-# CUDA; installs nothing. Everything lands in $OUT (default ./out). Budget: under 8 minutes.
+# GPU check of the attention kernels: the Pallas kernel tests compiled for the GPU (not interpreted), the
+# Triton kernels' numerics launched through jax-triton, the kernel timings, then the engine with each
+# attention path (xla | pallas | triton): greedy tokens equal to XLA's, and decode tok/s. Run from the repo
+# root on a machine whose python already has jax with CUDA (+ jax-triton and triton for the Triton path:
+# `pip install -e ".[cuda12]"`); installs nothing. Everything lands in $OUT (default ./out). Budget: under
+# 10 minutes.
 #   OUT=./out bash benchmarks/device_check.sh
 set -uo pipefail
 
@@ -25,6 +28,7 @@ print("target", tuning.target(d), "| auto ->", resolve_impl("auto", device=d),
       "| Pallas Triton:", tuning.triton_unsupported(d) or "supported")
 print("decode blocks bf16 D=128:", tuning.block_sizes("decode", 128, "bfloat16", d))
 print("prefill blocks bf16 D=128:", tuning.block_sizes("prefill", 128, "bfloat16", d))
+print("jax-triton:", tuning.jax_triton_unsupported(d) or "importable", "| triton ->", resolve_impl("triton", device=d))
 EOF
 env_rc=${PIPESTATUS[0]}
 
@@ -84,10 +88,24 @@ EOF
 fi
 tail -n 3 "$OUT/kernel_tests.log" >> "$OUT/summary.txt"
 
+echo "== Triton kernels through jax-triton (numerics vs the XLA reference)" | tee -a "$OUT/summary.txt"
+timeout 240 "$PY" -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider -o addopts="" -k numerics \
+  --junitxml "$OUT/triton_tests.xml" 2>&1 | tee "$OUT/triton_tests.log"
+triton_rc=${PIPESTATUS[0]}
+tail -n 3 "$OUT/triton_tests.log" >> "$OUT/summary.txt"
+
 echo "== kernel timings" | tee -a "$OUT/summary.txt"
 timeout 200 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels_bench.log"
 bench_rc=${PIPESTATUS[0]}
 sed -n '/^peak copy bandwidth/,$p' "$OUT/kernels_bench.log" >> "$OUT/summary.txt"
 
-echo "env rc=$env_rc tests rc=$test_rc bench rc=$bench_rc" | tee -a "$OUT/summary.txt"
-[ "$env_rc" -eq 0 ] && [ "$test_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]
+echo "== engine per attention path: greedy tokens vs XLA, decode tok/s" | tee -a "$OUT/summary.txt"
+timeout 240 "$PY" benchmarks/device_check_engine.py --json "$OUT/engine_attention.json" 2>&1 \
+  | tee "$OUT/engine_attention.log"
+engine_rc=${PIPESTATUS[0]}
+sed -n '/^impl/,$p' "$OUT/engine_attention.log" >> "$OUT/summary.txt"
+
+echo "env rc=$env_rc tests rc=$test_rc triton rc=$triton_rc bench rc=$bench_rc engine rc=$engine_rc" \
+  | tee -a "$OUT/summary.txt"
+[ "$env_rc" -eq 0 ] && [ "$test_rc" -eq 0 ] && [ "$triton_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] \
+  && [ "$engine_rc" -eq 0 ]

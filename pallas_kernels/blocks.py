@@ -1,4 +1,5 @@
-"""The K/V block steps both attention kernels are built from: read a cache block, attend to it, normalize.
+"""The K/V block steps both attention kernels are built from: read a cache block, attend to it, normalize; and the
+inputs both kernel families (Pallas here, Triton in `triton_*.py`) start from (`decode_inputs`, `prefill_inputs`).
 
 Cache layout: the Triton backend has no scalar prefetch, so a kernel gets the whole [S_cache, T_pad, Dp] cache
 of its kv head as one block (`cache_operands`) and picks row `slots[s]` with a dynamic index read from a
@@ -24,7 +25,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.reference import MASK_VALUE, precision
+from pallas_kernels import tuning
+from pallas_kernels.reference import MASK_VALUE, compute_dtype, precision
 from pallas_kernels.tuning import plgpu
 
 LOG2E = math.log2(math.e)
@@ -34,6 +36,62 @@ def softmax_scale_log2(sm_scale: float | None, head_dim: int) -> float:
     """The logits' scale in log2 units: sm_scale (default 1 / sqrt(head_dim)) times log2(e)."""
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     return scale * LOG2E
+
+
+def decode_inputs(q, k_cache, v_cache, lengths, slots, block_k: int | None, num_splits: int | None, target):
+    """What a decode kernel (Pallas or Triton) starts from: q as [S, kv_heads, Gp, Dp] tiles in the compute dtype,
+    the slots and lengths clamped so a bad value can never make the GPU read outside the cache, and the launch
+    choice {block_k, num_splits, num_warps, num_stages} for `target` (a tuning target, or None: the default device).
+    Gp >= 16: the GPU dot's minimum rows."""
+    s, q_heads, d = q.shape
+    s_cache, kv_heads, t, dk = k_cache.shape
+    if dk != d or v_cache.shape != k_cache.shape or q_heads % kv_heads:
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    g = q_heads // kv_heads
+    gp, dp = max(16, tuning.next_pow2(g)), tuning.padded_head_dim(d)
+    cfg = tuning.block_sizes("decode", d, k_cache.dtype, target)
+    bk = tuning.next_pow2(block_k or cfg["block_k"])
+    bk = max(16, min(bk, tuning.next_pow2(t)))
+    n_blocks = pl.cdiv(t, bk)
+    splits = num_splits or tuning.num_splits_for(s, kv_heads, n_blocks, tuning.num_cores(target))
+    splits = max(1, min(splits, n_blocks))
+
+    slots = jnp.arange(s) if slots is None else slots
+    slots = jnp.clip(slots.astype(jnp.int32), 0, s_cache - 1)
+    lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
+    qg = q.astype(compute_dtype(q, k_cache)).reshape(s, kv_heads, g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, dp - d)))
+    launch = dict(block_k=bk, num_splits=splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return qg, slots, lengths, launch
+
+
+def prefill_inputs(q, k_cache, v_cache, starts, q_lengths, slots, block_q: int | None, block_k: int | None, target):
+    """What a prefill kernel (Pallas or Triton) starts from: q as token-major rows [B, kv_heads, n_q * block_q * Gp,
+    Dp] (row r = token r // Gp, head r % Gp) in the compute dtype, slots / starts / q_lengths clamped inside the
+    cache, and the launch choice {block_q, block_k, group, num_warps, num_stages} for `target`. block_q counts
+    tokens (>= 16 rows for the GPU dot); both block sizes round up to powers of 2."""
+    b, tq, q_heads, d = q.shape
+    s_cache, kv_heads, t, dk = k_cache.shape
+    if dk != d or v_cache.shape != k_cache.shape or q_heads % kv_heads:
+        raise ValueError(f"shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    g = q_heads // kv_heads
+    gp, dp = tuning.next_pow2(g), tuning.padded_head_dim(d)
+    cfg = tuning.block_sizes("prefill", d, k_cache.dtype, target)
+    bq = tuning.next_pow2(block_q or max(1, cfg["block_m"] // gp))
+    bq = max(min(bq, tuning.next_pow2(tq)), pl.cdiv(16, gp))
+    bk = tuning.next_pow2(block_k or cfg["block_k"])
+    bk = max(16, min(bk, tuning.next_pow2(t)))
+    n_q = pl.cdiv(tq, bq)
+
+    slots = jnp.arange(b) if slots is None else slots
+    slots = jnp.clip(slots.astype(jnp.int32), 0, s_cache - 1)
+    starts = jnp.clip(starts.astype(jnp.int32), 0, t)
+    q_lengths = jnp.clip(q_lengths.astype(jnp.int32), 0, jnp.minimum(tq, t - starts))
+    qg = q.astype(compute_dtype(q, k_cache)).reshape(b, tq, kv_heads, g, d)
+    qg = jnp.pad(qg, ((0, 0), (0, n_q * bq - tq), (0, 0), (0, gp - g), (0, dp - d)))
+    qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, n_q * bq * gp, dp)
+    launch = dict(block_q=bq, block_k=bk, group=gp, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return qg, slots, starts, q_lengths, launch
 
 
 def cache_operands(k_cache, v_cache, k_scale, v_scale, t_pad: int, dp: int, index_map):

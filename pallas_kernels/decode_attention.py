@@ -26,8 +26,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tuning
-from pallas_kernels.blocks import attend_block, cache_operands, init_carry, load_kv, normalize, softmax_scale_log2
-from pallas_kernels.reference import compute_dtype
+from pallas_kernels.blocks import (
+    attend_block,
+    cache_operands,
+    decode_inputs,
+    init_carry,
+    load_kv,
+    normalize,
+    softmax_scale_log2,
+)
 
 
 def _decode_kernel(
@@ -141,27 +148,9 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=Non
     float32 [S_cache, kv_heads, T]: the cache is quantized (int8 / float8 values times these scales).
     """
     s, q_heads, d = q.shape
-    s_cache, kv_heads, t, dk = k_cache.shape
-    if dk != d or v_cache.shape != k_cache.shape or q_heads % kv_heads:
-        raise ValueError(f"shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
-    g = q_heads // kv_heads
-    gp, dp = max(16, tuning.next_pow2(g)), tuning.padded_head_dim(d)
-    cfg = tuning.block_sizes("decode", d, k_cache.dtype, "cpu" if interpret else None)
-    bk = tuning.next_pow2(block_k or cfg["block_k"])
-    bk = max(16, min(bk, tuning.next_pow2(t)))
-    n_blocks = pl.cdiv(t, bk)
-    cores = 0 if interpret else tuning.num_cores()
-    splits = num_splits or tuning.num_splits_for(s, kv_heads, n_blocks, cores)
-    splits = max(1, min(splits, n_blocks))
-
-    # Clamped so a bad row index or length can never make the GPU read outside the cache.
-    slots = jnp.arange(s) if slots is None else slots
-    slots = jnp.clip(slots.astype(jnp.int32), 0, s_cache - 1)
-    lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
-    qg = q.astype(compute_dtype(q, k_cache)).reshape(s, kv_heads, g, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, dp - d)))
-
+    g = q_heads // k_cache.shape[1]
+    qg, slots, lengths, launch = decode_inputs(q, k_cache, v_cache, lengths, slots, block_k, num_splits,
+                                               "cpu" if interpret else None)
     o = _decode_call(slots, lengths, qg, k_cache, v_cache, k_scale, v_scale, out_dtype=q.dtype,
-                     scale_log2=softmax_scale_log2(sm_scale, d), block_k=bk, num_splits=splits,
-                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret)
+                     scale_log2=softmax_scale_log2(sm_scale, d), interpret=interpret, **launch)
     return o[:, :, :g, :d].reshape(s, q_heads, d).astype(q.dtype)

@@ -22,8 +22,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import tuning
-from pallas_kernels.blocks import attend_block, cache_operands, init_carry, load_kv, normalize, softmax_scale_log2
-from pallas_kernels.reference import compute_dtype
+from pallas_kernels.blocks import (
+    attend_block,
+    cache_operands,
+    init_carry,
+    load_kv,
+    normalize,
+    prefill_inputs,
+    softmax_scale_log2,
+)
 
 
 def _prefill_kernel(
@@ -119,29 +126,12 @@ def prefill_attention(q, k_cache, v_cache, starts, q_lengths, *, sm_scale=None, 
     block_q counts tokens (rows = block_q * next_pow2(G)); both block sizes round up to powers of 2.
     """
     b, tq, q_heads, d = q.shape
-    s_cache, kv_heads, t, dk = k_cache.shape
-    if dk != d or v_cache.shape != k_cache.shape or q_heads % kv_heads:
-        raise ValueError(f"shapes do not match: q {q.shape}, k {k_cache.shape}, v {v_cache.shape}")
+    kv_heads = k_cache.shape[1]
     g = q_heads // kv_heads
-    gp, dp = tuning.next_pow2(g), tuning.padded_head_dim(d)
-    cfg = tuning.block_sizes("prefill", d, k_cache.dtype, "cpu" if interpret else None)
-    bq = tuning.next_pow2(block_q or max(1, cfg["block_m"] // gp))
-    bq = max(min(bq, tuning.next_pow2(tq)), pl.cdiv(16, gp))  # >= 16 rows for the GPU dot
-    bk = tuning.next_pow2(block_k or cfg["block_k"])
-    bk = max(16, min(bk, tuning.next_pow2(t)))
-    n_q = pl.cdiv(tq, bq)
-
-    # Clamped so bad rows, starts or lengths can never make the GPU read outside the cache.
-    slots = jnp.arange(b) if slots is None else slots
-    slots = jnp.clip(slots.astype(jnp.int32), 0, s_cache - 1)
-    starts = jnp.clip(starts.astype(jnp.int32), 0, t)
-    q_lengths = jnp.clip(q_lengths.astype(jnp.int32), 0, jnp.minimum(tq, t - starts))
-    qg = q.astype(compute_dtype(q, k_cache)).reshape(b, tq, kv_heads, g, d)
-    qg = jnp.pad(qg, ((0, 0), (0, n_q * bq - tq), (0, 0), (0, gp - g), (0, dp - d)))
-    qg = qg.transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, n_q * bq * gp, dp)
-
+    qg, slots, starts, q_lengths, launch = prefill_inputs(q, k_cache, v_cache, starts, q_lengths, slots, block_q,
+                                                          block_k, "cpu" if interpret else None)
     o = _prefill_call(slots, starts, q_lengths, qg, k_cache, v_cache, k_scale, v_scale, out_dtype=q.dtype,
-                      scale_log2=softmax_scale_log2(sm_scale, d), block_q=bq, group=gp, block_k=bk,
-                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], interpret=interpret)
-    o = o.reshape(b, kv_heads, n_q * bq, gp, dp)[:, :, :tq, :g, :d]
+                      scale_log2=softmax_scale_log2(sm_scale, d), interpret=interpret, **launch)
+    gp, dp = launch["group"], qg.shape[-1]
+    o = o.reshape(b, kv_heads, -1, gp, dp)[:, :, :tq, :g, :d]
     return o.transpose(0, 2, 1, 3, 4).reshape(b, tq, q_heads, d)

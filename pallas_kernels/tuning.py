@@ -1,8 +1,8 @@
-"""Block-size presets per GPU target, and whether a device can run the Pallas Triton kernels at all.
+"""Block-size presets per GPU target, and whether a device can run the Pallas or the jax-triton kernels at all.
 
 Targets (a string: "sm75", "sm80", "sm86", "sm90", "cpu"):
   sm75  Turing (T4, RTX 20xx): 64 KiB shared memory, tensor cores for float16 only (no bfloat16
-        matmul). Presets exist so the numbers are written down, but Pallas never runs there, see below.
+        matmul). Its presets are the Triton kernels' (Pallas never runs there, see below).
   sm80  A100 / Orin: 163 KiB shared memory per block.
   sm86  RTX 30xx / Ada (8.9) / consumer Blackwell (12.x): ~99 KiB shared memory per block.
   sm90  H100 / H200 / datacenter Blackwell (10.x): 227 KiB shared memory per block.
@@ -14,18 +14,17 @@ copied: the cache BlockSpec is simply wider than the array). Presets are therefo
 head dim; `block_sizes` shrinks block_k (then num_stages) until the software-pipelined K/V tiles fit the
 target's shared memory, which is what float32 inputs need.
 
-What runs on SM75 (researched for jax 0.10 / 0.11, no sm75 machine was available to confirm):
-  * jaxlib <= 0.10.2: Pallas Triton lowers to XLA's `__gpu$xla.gpu.triton` custom call, which XLA
-    rejects below compute capability 8.0 ("FAILED_PRECONDITION: Triton support is only enabled for
-    Ampere GPUs (compute capability 8.0) and up", jax#26799, T4 on Colab).
-  * jaxlib > 0.10.2 (the team's 0.11): Pallas compiles the Triton module itself through jaxlib's Triton
-    extension and launches it with `triton_kernel_call_ffi` (the call jax-triton uses), so that XLA check
-    is gone, but upstream Triton only supports cc >= 8.0 (triton#5066 dropped MMAv1 and raised the README
-    minimum), sm75 has no bfloat16 MMA, and the Triton backend itself is deprecated since JAX 0.11.
-  * Mosaic GPU (the successor backend) targets Hopper (wgmma/TMA); its pre-Hopper path uses cp.async,
-    which needs sm80. jax-triton is a separate package that we do not install.
-  So on sm75 (and anything below 8.0) the only path we trust is XLA: `triton_unsupported` says why, and
-  the caller falls back to XLA attention instead of crashing at compile time.
+What runs where (dispatch: `pocketjax.model.layers.resolve_impl`; evidence: README "What runs where"):
+  * cc >= 8.0: the Pallas kernels (Pallas's Triton lowering through XLA).
+  * cc < 8.0 (sm75): XLA rejects Pallas's Triton custom call there ("Triton support is only enabled for Ampere
+    GPUs (compute capability 8.0) and up", jax#26799), but official Triton compiles `tl.dot` for sm75 (FMA
+    instructions instead of mma) and jax-triton launches its output without that XLA check. So the Triton
+    kernels (`triton_decode`, `triton_prefill`, launched by `triton_launch`) run there when jax-triton is
+    installed (`jax_triton_unsupported`), in float16 / float32 / int8 caches; no bfloat16 (Turing has no bf16
+    arithmetic) and no float8.
+  * Elsewhere (CPU, ROCm, sm75 without jax-triton): XLA attention.
+The sm75 presets below are the Triton kernels' (the only kernels that run there), chosen from the registers and
+spills ptxas reports for the compiled binaries (tests/test_triton_kernels.py reads them for every preset).
 """
 from __future__ import annotations
 
@@ -51,7 +50,10 @@ _DECODE = {
     "sm90": {64: (128, 4, 3), 128: (128, 4, 3)},
     "sm80": {64: (128, 4, 3), 128: (128, 4, 2)},
     "sm86": {64: (128, 4, 2), 128: (64, 4, 2)},
-    "sm75": {64: (64, 4, 2), 128: (64, 4, 1)},
+    # Triton on sm75, float16 K/V (ptxas 12.x, Triton 3.9): block_k 64 spills (255 registers + 400 B of spill
+    # stores at D=128), 32 takes 205 registers / 24 KiB shared and no spill, 16 takes 125 (2x the occupancy,
+    # 2x the loop trips: to be timed on a T4). float32 at 64 needs 72 KiB shared, over the 64 KiB limit.
+    "sm75": {64: (32, 4, 1), 128: (32, 4, 1)},
     "cpu": {64: (128, 4, 1), 128: (128, 4, 1)},
 }
 # Prefill is compute-bound: block_m query rows (tokens x padded GQA group) against block_k keys.
@@ -61,7 +63,9 @@ _PREFILL = {
     "sm90": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3)},
     "sm80": {64: (128, 64, 4, 3), 128: (128, 64, 8, 2)},
     "sm86": {64: (64, 64, 4, 2), 128: (64, 32, 4, 2)},
-    "sm75": {64: (64, 32, 4, 1), 128: (32, 32, 4, 1)},
+    # Triton on sm75, float16, 4 warps: rows x keys 32 x 32 spills at D=128 (752 B), 32 x 16 takes 227 registers;
+    # at D=64 32 x 32 takes 218 registers, no spill.
+    "sm75": {64: (32, 32, 4, 1), 128: (32, 16, 4, 1)},
     "cpu": {64: (64, 64, 4, 1), 128: (64, 64, 4, 1)},
 }
 
@@ -187,4 +191,24 @@ def triton_unsupported(device: Any = None, kv_dtype: str | None = None) -> str |
                 "(float8 KV cache)")
     if plgpu is None:
         return "this JAX has no Pallas Triton backend"
+    return None
+
+
+def jax_triton_unsupported(device: Any = None, kv_dtype: str | None = None) -> str | None:
+    """Why the Triton kernels launched by jax-triton (`triton_launch`) cannot run on `device` over a `kv_dtype`
+    cache; None when they can. They need a CUDA GPU, jax-triton importable (a CUDA jaxlib + `pip install
+    jax-triton`), and below cc 8.0 a float16 / float32 / int8 cache (Turing has no bfloat16 arithmetic); float8
+    needs 8.9 as for Pallas. kv_dtype None (the model's dtype) is trusted."""
+    device = _default_device(device)
+    cc = compute_capability(device)
+    if cc is None:
+        return f"{getattr(device, 'platform', 'cpu')} device without a CUDA compute capability"
+    if kv_dtype is not None and kv_dtype.startswith("float8") and cc < (8, 9):
+        return f"compute capability {cc[0]}.{cc[1]} < 8.9: Triton has no float8 e4m3 conversion there"
+    if kv_dtype == "bfloat16" and cc < (8, 0):
+        return f"compute capability {cc[0]}.{cc[1]} < 8.0 has no bfloat16 arithmetic (use a float16 KV cache)"
+    try:
+        import jax_triton  # noqa: F401  (lazy: pulls in triton; fails on a JAX without CUDA)
+    except ImportError as e:
+        return f"jax-triton is not importable ({str(e).splitlines()[0][:120]}); pip install 'pocketjax[cuda12]'"
     return None
