@@ -295,9 +295,11 @@ def run_transformers(folder: Path, items: list[Item], batch: int, threads: int) 
 
 
 # ---- main ------------------------------------------------------------------------------------------------------
-def table(records: list[dict]) -> str:
-    cols = ["system", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-            "decode_tok_s", "step_ms", "device_step_ms", "host_share", "host_share_best"]
+COLUMNS = ["system", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+           "decode_tok_s", "step_ms", "device_step_ms", "host_share", "host_share_best"]
+
+
+def table(records: list[dict], cols: list[str] = COLUMNS) -> str:
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in records]
     return "\n".join(lines)

@@ -2,7 +2,7 @@
 what `warmup()` compiles (shapes, seconds) cold and from the cache. Prints a markdown table last.
 
     python benchmarks/startup.py [--model qwen3-tiny|qwen3-0.6b|PATH] [--max-seq-len N] [--max-batch-size N]
-                                 [--json out/startup.json] [--no-warmup]
+                                 [--json out/startup.json] [--no-warmup] [--scan-layers auto|on|off]
 
 Each row is its own Python process (`--child`): import pocketjax, load the model, build the Engine, (warm up,)
 prefill one prompt and read its first token. "from launch" is the parent's wall clock from starting the process to
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=8, help="engine slots (the engine's default)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the two warm-up rows")
+    p.add_argument("--scan-layers", default="auto", choices=["auto", "on", "off"], help="load_model's scan_layers")
     p.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
     p.add_argument("--json", default=None, help="write {machine, settings, records} here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one measured process: its compile cache
@@ -60,7 +61,8 @@ def child(args: argparse.Namespace) -> dict:
     from pocketjax.engine.warmup import warmup
 
     t1 = time.perf_counter()
-    model = pj.load_model(args.model, dtype=args.dtype)
+    model = pj.load_model(args.model, dtype=args.dtype,
+                          scan_layers={"on": True, "off": False}.get(args.scan_layers, args.scan_layers))
     t2 = time.perf_counter()
     engine = pj.Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                        compile_cache_dir=args.child)
@@ -81,7 +83,8 @@ def measure(args: SimpleNamespace, folder: Path, cache: str, warm_up: bool) -> d
     """Run one child process; its phases, its time to first token from launch and the cache folder's size after."""
     cmd = [sys.executable, __file__, "--child", cache, "--model", str(folder), "--dtype", args.dtype,
            "--max-seq-len", str(args.max_seq_len), "--max-batch-size", str(args.max_batch_size),
-           "--prompt-len", str(args.prompt_len)] + (["--child-warmup"] if warm_up else [])
+           "--prompt-len", str(args.prompt_len), "--scan-layers", args.scan_layers] + (
+               ["--child-warmup"] if warm_up else [])
     env = {k: v for k, v in os.environ.items() if k != VARIABLE and not k.startswith("JAX_COMPILATION_CACHE")}
     launched = time.time()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

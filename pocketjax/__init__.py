@@ -12,11 +12,12 @@ from .engine.sampling import SamplingParams
 from .model.config import ModelConfig
 from .model.decoder import Model, load_model, logits, loss
 from .model.memory import MemoryPlan, plan_memory
-from .serve.llm import LLM
+from .serve.llm import LLM, Score
 from .serve.scheduler import RequestHandle, Scheduler
 
 __all__ = [
     "errors", "ModelConfig", "EngineConfig", "Model", "load_model", "logits", "Engine", "BatchedRequest",
-    "Completion", "SamplingParams", "Scheduler", "RequestHandle", "LLM", "loss", "MemoryPlan", "plan_memory",
+    "Completion", "SamplingParams", "Scheduler", "RequestHandle", "LLM", "Score", "loss", "MemoryPlan",
+    "plan_memory",
 ]
 __version__ = "0.1.0"

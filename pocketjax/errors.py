@@ -28,3 +28,7 @@ class CapacityError(PocketJaxError):
 class StoppedError(PocketJaxError, RuntimeError):
     """The scheduler was stopped (or its loop died): it takes no request until it is started again."""
 
+
+class DistributedError(StoppedError):
+    """A process of a multi-process job died or stopped answering (or this one could not follow process 0): the
+    job cannot continue, so this process's scheduler stops and every open request fails with this error."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # A module may import only from its own layer or those before it; the kernels import nothing of pocketjax.
-LAYERS = ("errors", "model", "engine", "serve", "training")
+LAYERS = ("errors", "model", "nnx", "engine", "serve", "training")  # nnx: the model as a Flax NNX module
 
 
 def module_name(path: Path) -> str:

@@ -23,13 +23,13 @@ from ..model.decoder import Model
 from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
 from ..model.memory import check_fits, plan_memory
-from ..model.sharding import init_sharded_cache, mesh_tp
+from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import EngineConfig, use_compile_cache
 from .request import BatchedRequest, RequestStatus
 from .sampling import MAX_LOGPROBS, SampleOutput, SamplingParams, pack_sampling
 from .slots import SlotTable
-from .steps import (STEP_FUNCTIONS, Penalties, bucket, copy_slot_prefix, decode_step, prefill_step, sample_first,
-                    sample_next)
+from .steps import (STEP_FUNCTIONS, Penalties, bucket, copy_slot_prefix, decode_step, prefill_scored_step,
+                    prefill_step, sample_first, sample_next)
 from .warmup import warmup as warm_up
 
 
@@ -68,6 +68,13 @@ def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
     if bad:
         raise RequestError(f"requests must be BatchedRequest objects, got {type(bad[0]).__name__}")
     return requests
+
+
+def logprob_entry(out: SampleOutput, index: int | tuple[int, ...], n: int) -> tuple[float, dict[int, float]]:
+    """One token's (raw logprob, {top id: logprob} of its n best) from host `out` at `index` (row, or row and
+    position): the format of `BatchedRequest.logprobs` and `.prompt_logprobs`."""
+    ids, values = out.top_ids[index][:n], out.top_logprobs[index][:n]
+    return float(out.logprobs[index]), {int(t): float(lp) for t, lp in zip(ids, values)}
 
 
 def read_eos_ids(model: Model) -> frozenset[int]:
@@ -132,10 +139,11 @@ class Engine:
         check_fits(f"a KV cache of {n} slots x {self.config.max_seq_len} positions", plan.kv_cache,
                    list(mesh.devices.flat) if mesh is not None else jax.devices()[:1],
                    "use fewer slots (max_batch_size), a shorter max_seq_len, kv_dtype='int8', or tp=2")
+        stacked = self.model.scan_layers  # the cache's layer layout follows the model's (decoder.layer_stack)
         if mesh is not None:  # created in its shards: the whole cache may not fit on one device
-            self.cache = init_sharded_cache(mesh, *shape)
+            self.cache = init_sharded_cache(mesh, *shape, stacked=stacked)
         else:
-            self.cache = init_cache(*shape)
+            self.cache = init_cache(*shape, stacked=stacked)
         self.penalties = Penalties.zeros(n, c.vocab_size)
         if mesh is not None:  # replicated over the mesh, as the sampler returns it: one compile, not two
             self.penalties = jax.device_put(self.penalties, NamedSharding(mesh, PartitionSpec()))
@@ -153,7 +161,10 @@ class Engine:
             if req.in_flight:
                 raise RequestError(f"request {req.request_id!r} still has a decode step in flight")
         request_id = req.request_id if req else request
-        alloc = self.slots.allocate(request_id, list(req.prompt_tokens) if req else None)
+        # Prompt logprobs need every prompt position computed, so such a request reuses no cached prefix (as vLLM);
+        # its own prompt is cached as usual for the requests after it.
+        reuse = req is not None and req.sampling.prompt_logprobs is None
+        alloc = self.slots.allocate(request_id, list(req.prompt_tokens) if reuse else None)
         if alloc.donor is not None:
             self.cache = copy_slot_prefix(self.cache, np.int32(alloc.donor), np.int32(alloc.slot),
                                           np.int32(alloc.cached))
@@ -263,15 +274,53 @@ class Engine:
         kv_len = self._kv_bucket(int((starts + lengths).max()))
         sampling = pack_sampling([r.sampling for r, _ in chunks], [r.seed for r, _ in chunks], pad_to=rows)
         num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r, _ in chunks) else 0
-        self.cache, logits = prefill_step(self.model.params, self.cache, tokens, slots, starts, lengths,
-                                          config=self.model.config, impl=self.impl, kv_len=kv_len)
+        targets, counts = self._prompt_targets(chunks, rows, width)
+        step = dict(config=self.model.config, impl=self.impl, kv_len=kv_len)
+        prompt_out = None
+        if counts.any():  # only a chunk with a row that asked pays for every position's logits
+            self.cache, logits, prompt_out = prefill_scored_step(
+                self.model.params, self.cache, tokens, slots, starts, lengths, targets, counts > 0,
+                num_top=MAX_LOGPROBS, **step)
+        else:
+            self.cache, logits = prefill_step(self.model.params, self.cache, tokens, slots, starts, lengths, **step)
         for req, n in chunks:
             self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
             req.num_prefilled += n
-        if final.any():
+        if final.any():  # queued before the prompt logprobs are read, so the device samples while the host waits
             self.penalties, out = sample_first(self.penalties, logits, slots, final, masks, sampling,
                                                num_top=num_top)
+        if prompt_out is not None:
+            self._deliver_prompt_logprobs(chunks, counts, prompt_out)
+        if final.any():
             self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if final[i]], out, results)
+
+    @staticmethod
+    def _prompt_targets(chunks: list[tuple[BatchedRequest, int]], rows: int, width: int
+                        ) -> tuple[np.ndarray, np.ndarray]:
+        """For rows that asked for prompt logprobs: the prompt token after each chunk position (int32 [rows,
+        width]; a chunk's last position scores the first token of the next chunk) and how many positions of each
+        row score one (int32 [rows]; the prompt's last token scores nothing: it yields the first generated one)."""
+        targets = np.zeros((rows, width), np.int32)
+        counts = np.zeros(rows, np.int32)
+        for i, (req, n) in enumerate(chunks):
+            if req.sampling.prompt_logprobs is None:
+                continue
+            begin = req.num_prefilled
+            if begin == 0:
+                req.prompt_logprobs = [None]  # the first prompt token has no context
+            following = req.prompt_tokens[begin + 1: begin + n + 1]
+            targets[i, :len(following)] = following
+            counts[i] = len(following)
+        return targets, counts
+
+    @staticmethod
+    def _deliver_prompt_logprobs(chunks: list[tuple[BatchedRequest, int]], counts: np.ndarray,
+                                 out: SampleOutput) -> None:
+        """Append each row's `counts` prompt-token logprobs to its request (one transfer for the chunk)."""
+        out = to_host(out)  # every process reads the same whole rows, even with dp across hosts
+        for i, (req, _) in enumerate(chunks):
+            k = req.sampling.prompt_logprobs
+            req.prompt_logprobs += [logprob_entry(out, (i, t), k) for t in range(counts[i])]
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def batch_decode_step(self, requests: Sequence[BatchedRequest]) -> list[int | None]:
@@ -384,12 +433,10 @@ class Engine:
 
     def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
         """Move sampled tokens to the host (one transfer) and append them to their requests; end finished ones."""
-        out = jax.device_get(out)
+        out = to_host(out)
         for i, req in rows:
             token = int(out.tokens[i])
-            n = req.sampling.logprobs
-            top = {int(t): float(lp) for t, lp in zip(out.top_ids[i, :n], out.top_logprobs[i, :n])} if n else {}
-            req.logprobs.append((float(out.logprobs[i]), top))
+            req.logprobs.append(logprob_entry(out, i, req.sampling.logprobs))
             req.generated_tokens.append(token)
             req.last_token = token
             results[id(req)] = token
@@ -405,11 +452,12 @@ class Engine:
         """True when `generated` tokens end req by length: max_tokens, or the cache's last position."""
         return generated >= req.sampling.max_tokens or len(req.prompt_tokens) + generated >= self.max_seq_len
 
-    def warmup(self, progress: bool = True) -> int:
+    def warmup(self, progress: bool = True, prompt_logprobs: bool = False) -> int:
         """Compile every step shape this engine can call (`warmup.signatures`), so no request waits for a compile;
         returns how many were new. Run it while nothing else drives the engine, and again after
-        `allocate_batch_slots`."""
-        return warm_up(self, progress=progress)
+        `allocate_batch_slots`. `prompt_logprobs` also compiles the prefill variant that scores prompt tokens
+        (otherwise compiled on first use)."""
+        return warm_up(self, progress=progress, prompt_logprobs=prompt_logprobs)
 
     def compiled_count(self) -> int:
         """How many call signatures the step functions hold so far (a steady workload must not add any).

@@ -36,6 +36,9 @@ class BatchedRequest:
     num_prefilled: int = 0  # prompt tokens whose K/V are in the slot (cached prefix included)
     seed: int | None = None  # resolved seed (sampling.seed, or drawn by the engine)
     in_flight: int = 0  # decode steps dispatched for it whose tokens are not collected yet
+    # with sampling.prompt_logprobs: one entry per prompt token prefilled so far, filled chunk by chunk; entry 0 is
+    # None (the first token has no context)
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -57,3 +60,5 @@ class Completion:
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     request_id: Any = None
+    # aligned with prompt_tokens when sampling.prompt_logprobs was set (entry 0 None), else empty
+    prompt_logprobs: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)

@@ -70,6 +70,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int = 0
+    prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob and its top-k (from prefill)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
@@ -116,6 +117,9 @@ class SamplingParams:
             fail("ignore_eos", "must be a bool")
         if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
             fail("logprobs", f"must be an int in [0, {MAX_LOGPROBS}]")
+        k = self.prompt_logprobs
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            fail("prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
 
 
 @jax.tree_util.register_dataclass
@@ -136,7 +140,10 @@ class SamplingArrays:
 @jax.tree_util.register_dataclass
 @dataclass
 class SampleOutput:
-    """What `sample` returns per row: the token, its raw logprob, and the raw top-n (n static, may be 0)."""
+    """What `sample` returns per row: the token, its raw logprob, and the raw top-n (n static, may be 0).
+
+    The prompt scorer returns the same per prompt position: every field then has a [B, T] prefix instead of [S].
+    """
 
     tokens: jax.Array  # i32[S]
     logprobs: jax.Array  # f32[S]: log_softmax(raw logits)[token], vLLM's default "raw_logprobs"
@@ -203,14 +210,22 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array, ou
         lambda: jnp.where(sampled, _draw(penalize(logits), arrays, steps, sampled, num_candidates), greedy),
         lambda: greedy,
     )
+    return token_logprobs(logits, tokens, num_top)
+
+
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> SampleOutput:
+    """Returns `tokens` [...] with their raw log_softmax under f32 logits [..., V] and the raw top-`num_top`.
+
+    Shared by the sampler (one row per slot) and the prompt scorer (one row per prompt position).
+    """
     lse = jax.nn.logsumexp(logits, axis=-1)
-    logprobs = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+    logprobs = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - lse
     if num_top:
         top_values, top_ids = _top_k(logits, num_top)
-        top_ids, top_logprobs = top_ids.astype(jnp.int32), top_values - lse[:, None]
+        top_ids, top_logprobs = top_ids.astype(jnp.int32), top_values - lse[..., None]
     else:
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-        top_logprobs = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((*logits.shape[:-1], 0), jnp.int32)
+        top_logprobs = jnp.zeros((*logits.shape[:-1], 0), jnp.float32)
     return SampleOutput(tokens=tokens, logprobs=logprobs, top_ids=top_ids, top_logprobs=top_logprobs)
 
 

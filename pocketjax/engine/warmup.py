@@ -15,7 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .sampling import MAX_LOGPROBS, SamplingParams, pack_sampling
-from .steps import bucket, copy_slot_prefix, decode_step, prefill_step, sample_first, sample_next
+from .steps import bucket, copy_slot_prefix, decode_step, prefill_scored_step, prefill_step, sample_first, sample_next
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -24,16 +24,19 @@ if TYPE_CHECKING:
 class Signature(NamedTuple):
     """One step call shape: `step` over `rows` rows (0: not a batch); the other fields where the step has them."""
 
-    step: str  # prefill, sample_first, decode, decode_fed (input tokens on device), sample_next, copy_prefix
+    step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode, decode_fed (input tokens on device),
+    # sample_next, copy_prefix
     rows: int = 0
     width: int = 0  # prefill chunk bucket
     kv_len: int = 0  # attention length bucket
     num_top: int = 0  # top logprobs the sampler returns
 
 
-def signatures(engine: Engine) -> list[Signature]:
+def signatures(engine: Engine, prompt_logprobs: bool = False) -> list[Signature]:
     """Every step signature `engine` can call, as `Engine._prefill_call` and `_dispatch` bucket them; each sampler
-    follows a forward step over its rows, each device-fed decode a sampler."""
+    follows a forward step over its rows, each device-fed decode a sampler. `prompt_logprobs` adds the prefill
+    variant that scores prompt tokens (one per prefill shape: as many compiles again as the plain prefill, which
+    is why it is opt-in)."""
     if engine.max_seq_len < 2:  # no prompt fits: nothing ever runs
         return []
     cfg, slots = engine.config, engine.num_slots
@@ -46,7 +49,8 @@ def signatures(engine: Engine) -> list[Signature]:
     tops = (0, MAX_LOGPROBS)
     calls = []
     for r in rows:
-        calls += [Signature("prefill", r, w, k) for w, n in sorted(shortest.items()) for k in kv_lens if k >= kv[n]]
+        prefill = [Signature("prefill", r, w, k) for w, n in sorted(shortest.items()) for k in kv_lens if k >= kv[n]]
+        calls += prefill + ([c._replace(step="prefill_scored") for c in prefill] if prompt_logprobs else [])
         calls += [Signature("sample_first", r, num_top=t) for t in tops]
         calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
         calls += [Signature("sample_next", r, num_top=t) for t in tops]
@@ -56,23 +60,25 @@ def signatures(engine: Engine) -> list[Signature]:
     return calls
 
 
-def warmup(engine: Engine, progress: bool = True) -> int:
+def warmup(engine: Engine, progress: bool = True, prompt_logprobs: bool = False) -> int:
     """Compile every step signature `engine` can call (`signatures`); returns how many were new (0 once warm).
 
     Afterwards no mix of prompt lengths, batch sizes, sampling options, logprobs or prefix reuse compiles again:
-    `engine.compiled_count()` stays put. Slots, their cached tokens and the penalty state are unchanged. Call it
-    while nothing else drives the engine (before a Scheduler starts), and again after `allocate_batch_slots`.
+    `engine.compiled_count()` stays put. Requests with `prompt_logprobs` compile their prefill variant on first use
+    unless `prompt_logprobs=True` compiles it here too. Slots, their cached tokens and the penalty state are
+    unchanged. Call it while nothing else drives the engine (before a Scheduler starts), and again after
+    `allocate_batch_slots`.
     """
     before = engine.compiled_count()
     logits, tokens = {}, {}  # rows -> the latest forward step's logits, the latest sampled tokens (on device)
-    calls = signatures(engine)
+    calls = signatures(engine, prompt_logprobs)
     if calls:  # the first forward and sampler calls see the cache and penalties as allocated, and a step may return
         # them in another form (on a mesh, the penalties come back replicated over it): run both again in that form
         calls += [calls[0], next(c for c in calls if c.step == "sample_first")]
     bar = tqdm(calls, desc="pocketjax warm-up", unit="shape", disable=not progress)
     for call in bar:
         bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in call._asdict().items() if v), refresh=False)
-        if call.step == "prefill":
+        if call.step in ("prefill", "prefill_scored"):
             logits[call.rows] = _prefill(engine, call)
         elif call.step in ("decode", "decode_fed"):
             logits[call.rows] = _decode(engine, call, tokens[call.rows] if call.step == "decode_fed" else None)
@@ -86,12 +92,15 @@ def warmup(engine: Engine, progress: bool = True) -> int:
 
 
 def _prefill(engine: Engine, call: Signature) -> jax.Array:
-    """A prefill of `call.rows` empty chunks (lengths 0 write nothing); its logits."""
+    """A prefill of `call.rows` empty chunks (lengths 0 write nothing, no row scored); its logits."""
     r = call.rows
-    zeros = np.zeros(r, np.int32)
-    engine.cache, logits = prefill_step(engine.model.params, engine.cache, np.zeros((r, call.width), np.int32),
-                                        zeros, zeros, zeros, config=engine.model.config, impl=engine.impl,
-                                        kv_len=call.kv_len)
+    zeros, empty = np.zeros(r, np.int32), np.zeros((r, call.width), np.int32)
+    step = dict(config=engine.model.config, impl=engine.impl, kv_len=call.kv_len)
+    if call.step == "prefill_scored":
+        engine.cache, logits, _ = prefill_scored_step(engine.model.params, engine.cache, empty, zeros, zeros, zeros,
+                                                      empty, np.zeros(r, bool), num_top=MAX_LOGPROBS, **step)
+    else:
+        engine.cache, logits = prefill_step(engine.model.params, engine.cache, empty, zeros, zeros, zeros, **step)
     return logits
 
 

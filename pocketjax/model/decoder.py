@@ -1,12 +1,13 @@
 """The functional Qwen decoder: one layer function, threaded through three entry points.
 
-- `forward_logits`: a full causal forward without cache (scoring, perplexity, training).
+- `forward_logits`: a full causal forward without cache (scoring, perplexity, training, hidden states, hooks).
 - `prefill_forward`: a chunk of prompt tokens per row, written into the slotted cache after a cached prefix.
 - `decode_forward`: one token per active slot.
 
-Layers are a Python list of per-layer dicts and the loop is unrolled at trace time: on XLA:CPU a `lax.scan` over
-stacked weights copies each layer's slice (measured 2.5x slower at batch 1), and the unrolled loop lets every cache
-buffer be updated in place.
+Two layouts of the layers, chosen at load (`load_model(scan_layers=)`), one loop (`layer_stack`): a Python list of
+per-layer dicts, unrolled at trace time, or one dict of [layers, ...] stacked arrays run by `lax.scan`, which XLA
+compiles once whatever the depth (the KV cache is then stacked too, and carried through the scan).
+`resolve_scan_layers` says which `"auto"` picks, and the comment above it the measurements behind it.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from . import layers
 
@@ -29,11 +31,38 @@ from .hub import resolve_checkpoint
 from ..errors import ConfigError, RequestError
 from .memory import check_fits, plan_memory
 from .kv_cache import QMAX, KVCache, check_kv_dtype, dequantize, quantize
-from .sharding import make_mesh, mesh_tp, sharded_placer
+from .lora import merging_placer, read_adapter
+from .sharding import make_mesh, mesh_tp, sharded_placer, stacked_spec
 
 Params = dict[str, Any]
 # attend(layer index, q [B,T,Hq,D], k, v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state)
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+# The scan's cost on XLA:CPU: every iteration copies its layer's weights (and the KV cache slice attention reads) out
+# of the stacked arrays before the dot, because XLA:CPU cannot feed a dot from a dynamic slice: the compiled decode
+# step holds a constant 60 MB of such temporaries at Qwen3-0.6B shapes (8 slots x 256), where the unrolled one holds
+# 4.6 MB. Indexing the stacked weights inside a fori_loop instead of scanning over them compiles to the same copy, and
+# `unroll=` keeps a copy per unrolled layer (unroll=2 / 4: 120 / 240 MB; no faster in a probe of 28 [3072, 1024]
+# products), so SCAN_UNROLL stays 1. The cache update itself stays in place (the scatter aliases the carried cache;
+# temporaries do not grow with depth). So on CPU the scan trades step time for compile time
+# (benchmarks/compile_time.py, 2 busy cores, jax 0.10.2, float32, Qwen3-0.6B layer shapes): one decode
+# shape compiles in 1.7 / 3.2 / 6.4 CPU s unrolled at 16 / 32 / 64 layers and 0.91 / 0.91 / 0.95 with scan; a decode
+# step at 28 layers takes 2.1-3.0x as long with scan (c=1: 195 vs 514 ms, c=8: 277 vs 588 ms, loaded machine).
+# "auto" therefore unrolls below AUTO_SCAN_MIN_LAYERS (every Qwen up to 8B: 24-36 layers) and scans from there
+# (14B: 48, 32B: 64, 72B: 80), where an unrolled warm-up (tens of shapes, each ~0.1 CPU s per layer) grows to many
+# minutes. GPU and TPU are not measured yet (no device here); the same rule applies there.
+SCAN_UNROLL = 1
+AUTO_SCAN_MIN_LAYERS = 48
+
+
+def resolve_scan_layers(scan_layers: bool | str, config: ModelConfig) -> bool:
+    """Whether a model is loaded stacked for `lax.scan`: True / False as given; "auto": from AUTO_SCAN_MIN_LAYERS
+    layers on (the measurements above it)."""
+    if scan_layers == "auto":
+        return config.num_layers >= AUTO_SCAN_MIN_LAYERS
+    if not isinstance(scan_layers, bool):
+        raise ConfigError(f"scan_layers must be 'auto', True or False, got {scan_layers!r}")
+    return scan_layers
 
 
 @dataclass(frozen=True)
@@ -49,20 +78,84 @@ class Model:
     def dtype(self):
         return self.params["final_norm"].dtype  # the embedding may be quantized
 
+    @property
+    def scan_layers(self) -> bool:
+        """True when the layers are stacked and run by one `lax.scan` (the engine then stacks its KV cache)."""
+        return is_stacked(self.params)
 
-def run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-               attend: Attend, state: Any) -> tuple[jax.Array, Any]:
-    """Embedding and every decoder layer; returns the final-normed hidden states [B, T, H] and the attend state."""
+
+def is_stacked(params: Params) -> bool:
+    """True when the layers are one dict of [layers, ...] arrays (the scan layout), False for a list of dicts."""
+    return isinstance(params["layers"], dict)
+
+
+def stack_layers(per_layer: list[dict]) -> dict:
+    """One dict of [layers, ...] arrays (QuantizedWeights leaf by leaf) from per-layer dicts, name by name: each
+    name's per-layer arrays are released once stacked, so the device holds at most one name's weights twice.
+    A sharded array keeps its spec behind a replicated layer axis (`sharding.stacked_spec`)."""
+    def stack(*arrays):
+        out = jnp.stack(arrays)
+        sharding = getattr(arrays[0], "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            out = jax.device_put(out, NamedSharding(sharding.mesh, stacked_spec(sharding.spec)))
+        return out
+
+    stacked = {}
+    for name in list(per_layer[0]):
+        stacked[name] = jax.tree.map(stack, *[p.pop(name) for p in per_layer])
+    return stacked
+
+
+# A hook(layer, hidden [B, T, H]) -> hidden, applied to the residual stream after each layer.
+Hook = Callable[[Any, jax.Array], jax.Array]
+
+
+def layer_stack(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: Attend,
+                state: Any, hook: Hook | None = None, keep_hidden: bool = False
+                ) -> tuple[jax.Array, Any, jax.Array | None]:
+    """Embedding and every decoder layer: (residual stream after the last layer [B, T, H], the attend state,
+    with `keep_hidden` the stream after the embedding and after every layer [layers + 1, B, T, H], else None).
+
+    `hook(layer, x)` rewrites the residual stream after each layer (what the next layer and the hidden states see);
+    `layer` is a Python int in the unrolled layout and a traced int32 scalar under scan (compare it with
+    `jnp.where(layer == n, ...)`, not `if`). Stacked layers run as one `lax.scan` carrying (x, state): the attend
+    state (the KV cache) is updated in place inside it, and `attend` receives the traced layer index.
+    """
     x = quant.embed(params["embed"], tokens, params["final_norm"].dtype)
     cos, sin = layers.rope_tables(config, positions, x.dtype)
     b, t, _ = x.shape
     eps = config.rms_norm_eps
-    for i, p in enumerate(params["layers"]):
+
+    def layer(i, p, x, state):
         q, k, v = layers.qkv_projection(p, config, layers.rms_norm(x, p["input_norm"], eps), cos, sin)
         out, state = attend(i, q, k, v, state)
         x = x + layers.linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"))
         x = x + layers.swiglu(p, layers.rms_norm(x, p["post_norm"], eps))
-    return layers.rms_norm(x, params["final_norm"], eps), state
+        return x if hook is None else hook(i, x), state
+
+    first = x
+    if is_stacked(params):
+        def body(carry, xs):
+            x, state = layer(*xs, *carry)
+            return (x, state), x if keep_hidden else None
+
+        (x, state), after = jax.lax.scan(body, (x, state), (jnp.arange(config.num_layers), params["layers"]),
+                                         unroll=SCAN_UNROLL)
+    else:
+        after = []
+        for i, p in enumerate(params["layers"]):
+            x, state = layer(i, p, x, state)
+            after.append(x)
+        after = jnp.stack(after) if keep_hidden else None
+    hidden = jnp.concatenate([first[None], after]) if keep_hidden else None
+    return x, state, hidden
+
+
+def run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
+               attend: Attend, state: Any, hook: Hook | None = None) -> tuple[jax.Array, Any]:
+    """Embedding and every decoder layer; returns the final-normed hidden states [B, T, H] and the attend state."""
+    x, state, _ = layer_stack(params, config, tokens, positions, attend, state, hook)
+    return layers.rms_norm(x, params["final_norm"], config.rms_norm_eps), state
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
@@ -70,11 +163,14 @@ def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     return layers.linear(hidden, params.get("lm_head", params["embed"])).astype(jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("config", "kv_dtype"))
-def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dtype: str | None = None) -> jax.Array:
-    """float32 logits [B, T, vocab] of a full causal forward over tokens [B, T], no cache.
+@partial(jax.jit, static_argnames=("config", "kv_dtype", "hook", "keep_hidden"))
+def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dtype: str | None = None,
+                   hook: Hook | None = None, keep_hidden: bool = False):
+    """float32 logits [B, T, vocab] of a full causal forward over tokens [B, T], no cache; with `keep_hidden`,
+    (logits, hidden [layers + 1, B, T, H]) as `layer_stack` gives them.
 
     kv_dtype "int8" / "float8_e4m3fn" rounds K and V as a quantized cache stores them (scoring its accuracy cost).
+    `hook` is static: each distinct function object compiles once.
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -86,17 +182,20 @@ def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dt
         kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         return layers.prefill_attention("xla", q, (kt, vt), zeros, full), state
 
-    hidden, _ = run_layers(params, config, tokens, positions, attend, None)
-    return lm_head(params, hidden)
+    x, _, hidden = layer_stack(params, config, tokens, positions, attend, None, hook, keep_hidden)
+    out = lm_head(params, layers.rms_norm(x, params["final_norm"], config.rms_norm_eps))
+    return (out, hidden) if keep_hidden else out
 
 
 def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, cache: KVCache,
-                    tokens: jax.Array, slots: jax.Array, starts: jax.Array, lengths: jax.Array
-                    ) -> tuple[KVCache, jax.Array]:
+                    tokens: jax.Array, slots: jax.Array, starts: jax.Array, lengths: jax.Array,
+                    return_hidden: bool = False) -> tuple[KVCache, jax.Array] | tuple[KVCache, jax.Array, jax.Array]:
     """Write a chunk tokens [B, T] (row b: `lengths[b]` valid tokens at `starts[b]`..) into cache rows `slots`.
 
     Returns the updated cache and the logits [B, vocab] of each row's last valid token. Attention reads cache
     positions < kv_len (a bucket covering every row's starts + lengths). Padding rows have lengths 0.
+    `return_hidden` (static) also returns the final-normed hidden states [B, T, H] of every position, for prompt
+    log-probabilities; a flag rather than always, so the plain step never writes them out.
     """
     b, t = tokens.shape
     offsets = jnp.arange(t, dtype=jnp.int32)
@@ -105,13 +204,14 @@ def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int,
 
     def attend(i, q, k, v, cache):
         cache = cache.write(i, slots, write_at, k, v)
-        out = layers.prefill_attention(impl, q, cache.layer(i), starts, lengths, slots=slots, kv_len=kv_len)
+        out = layers.prefill_attention(impl, q, cache.layer(i, kv_len), starts, lengths, slots=slots, kv_len=kv_len)
         return out, cache
 
     hidden, cache = run_layers(params, config, tokens, positions, attend, cache)
     last = hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     new_lengths = cache.lengths.at[jnp.where(lengths > 0, slots, cache.num_slots)].set(starts + lengths, mode="drop")
-    return replace(cache, lengths=new_lengths), lm_head(params, last)
+    out = replace(cache, lengths=new_lengths), lm_head(params, last)
+    return (*out, hidden) if return_hidden else out
 
 
 def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, cache: KVCache,
@@ -127,7 +227,7 @@ def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, 
 
     def attend(i, q, k, v, cache):
         cache = cache.write(i, slots, write_at, k, v)
-        out = layers.decode_attention(impl, q[:, 0], cache.layer(i), lengths, slots=None if dense else slots,
+        out = layers.decode_attention(impl, q[:, 0], cache.layer(i, kv_len), lengths, slots=None if dense else slots,
                                       kv_len=kv_len)
         return out[:, None], cache
 
@@ -148,18 +248,24 @@ def default_dtype(config: ModelConfig) -> str:
 
 
 def load_model(path: str | Path, dtype: str | None = None, tp: int = 1, quantize: str | None = None,
-               mesh: Any = None, *, revision: str | None = None, local_files_only: bool = False) -> Model:
+               mesh: Any = None, *, revision: str | None = None, local_files_only: bool = False,
+               scan_layers: bool | str = "auto", lora: str | Path | None = None) -> Model:
     """Load a Hugging Face Qwen2/2.5/3 checkpoint, cast to `dtype` (default: `default_dtype`).
 
     `path` is a checkpoint folder or a Hub repo id ("Qwen/Qwen3-0.6B", at `revision`), downloaded into the hub
     cache unless `local_files_only` or HF_HUB_OFFLINE=1; `Model.path` is then the local snapshot folder.
     Tensors are read one at a time from memory-mapped safetensors and placed on device straight away, so host
     memory peaks near one copy of the weights. `tp` > 1 (or a `mesh`) shards them as they are read.
+    `scan_layers`: stack the layers for one `lax.scan` (True), keep them a list for the unrolled loop (False), or
+    let `resolve_scan_layers` pick ("auto"); `Model.scan_layers` records which.
+    `lora`: a PEFT LoRA adapter folder, merged into each weight as it is read (before quantizing and sharding).
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tp must be a positive integer, got {tp!r}")
     folder = resolve_checkpoint(path, revision, local_files_only)
     config = ModelConfig.from_folder(folder)
+    scan = resolve_scan_layers(scan_layers, config)
+    adapter = None if lora is None else read_adapter(lora, config)  # checked before any weight is read
     dtype = dtype or default_dtype(config)
     if dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype!r} is not supported (supported: {', '.join(DTYPES)})")
@@ -176,19 +282,32 @@ def load_model(path: str | Path, dtype: str | None = None, tp: int = 1, quantize
             return jax.device_put(array)
     if quantize is not None or stored is not None:  # quantize from float32, cast the rest to dtype
         place = quant.quantizing_placer(place, quantize, np.dtype(jnp.dtype(dtype)))
+    if adapter is not None:
+        place = merging_placer(place, adapter)
     if stored is None:  # (a pre-quantized checkpoint is not planned yet: its float plan would overstate it)
         plan = plan_memory(config, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=dtype, quantize=quantize)
         check_fits(f"loading {path}", plan.weights, list(mesh.devices.flat) if mesh is not None
                    else jax.devices()[:1], "quantize='int8' or 'int4', dtype='bfloat16', or tp=2")
     read_dtype = jnp.float32 if quantize is not None else dtype
     params = load_params(folder, config, np.dtype(jnp.dtype(read_dtype)), place)
+    if scan:
+        params["layers"] = stack_layers(params["layers"])
     return Model(config=config, params=params, mesh=mesh, path=str(folder))
 
 
-def logits(model: Model, tokens, kv_dtype: str | None = None) -> jax.Array:
+def logits(model: Model, tokens, kv_dtype: str | None = None, *, return_hidden: bool = False,
+           hook: Hook | None = None):
     """float32 logits [B, T, vocab] for int tokens [B, T] (or [T]): a full causal forward without cache.
 
     kv_dtype: score with K/V rounded as a cache of that dtype stores them ("int8", "float8_e4m3fn").
+    return_hidden: return (logits, hidden) with hidden [layers + 1, B, T, hidden_size] in the model's dtype: the
+    embedding output, then the residual stream after every layer (after `hook`). Entries 0..layers-1 equal
+    transformers' `output_hidden_states`; the last is before the final norm, where transformers' last entry is
+    after it (its logits are lm_head(final_norm(hidden[-1]))).
+    hook: a pure `fn(layer, hidden [B, T, H]) -> hidden` applied to the residual stream after each layer; `layer`
+    is a Python int for unrolled layers and a traced int32 scalar under scan (`Model.scan_layers`), so select
+    with `jnp.where(layer == n, ...)`. It is a static argument: pass the same function object to reuse the compiled
+    forward; arrays it closes over are baked in as constants (or traced, under an outer jit).
 
     Composes with jax.jit, vmap and grad (of a loss on the logits), and takes sharded inputs. Checked always: the
     shape and the integer dtype (RequestError). Checked only when the tokens are concrete (eagerly, not under
@@ -209,7 +328,9 @@ def logits(model: Model, tokens, kv_dtype: str | None = None) -> jax.Array:
         if low < 0 or high >= vocab:
             raise RequestError(f"token ids must lie in [0, {vocab}), got range [{low}, {high}]")
     check_kv_dtype(kv_dtype)
-    return forward_logits(model.params, model.config, tokens, kv_dtype)
+    if hook is not None and not callable(hook):
+        raise RequestError(f"hook must be a function (layer, hidden) -> hidden, got {type(hook).__name__}")
+    return forward_logits(model.params, model.config, tokens, kv_dtype, hook, bool(return_hidden))
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

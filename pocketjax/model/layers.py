@@ -13,11 +13,12 @@ from pallas_kernels import reference, tuning
 from ..errors import ConfigError
 from . import quant
 from .config import ModelConfig, rope_frequencies
+from .lora import LoraWeight
 from .quant import QuantizedWeight
 from .sharding import attention_over_heads
 
 log = logging.getLogger("pocketjax")
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "triton")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -45,13 +46,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 SKINNY_ROWS = 64  # up to this many rows (decode batches), XLA:CPU runs the transposed product far faster
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight, b: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Array | None = None) -> jax.Array:
     """x @ w.T (+ b) for a weight stored [out, in] (HF's layout), or a QuantizedWeight (dequantized in the matmul).
 
     For a few rows on CPU the product is computed as w @ x.T, materialized (the barrier keeps XLA from folding the
     transpose back into the dot's output layout), then transposed: XLA:CPU's [8, 1024] x [1024, 3072] dot takes
     3-5x the batch-1 time, the tall-skinny form about the same as batch 1 (benchmarks/xla_cpu_matmul.py).
     """
+    if isinstance(w, LoraWeight):  # an unmerged LoRA adapter (model/lora.py): base product + its rank-r path
+        return linear(x, w.base, b) + w.lora.apply(x)
     if isinstance(w, QuantizedWeight):
         y = quant.matmul(x, w)
     elif w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
@@ -102,11 +105,14 @@ def qkv_projection(p: dict, config: ModelConfig, x: jax.Array, cos: jax.Array, s
 
 
 def resolve_impl(requested: str, kv_dtype: str | None = None, device=None) -> str:
-    """The attention path that will run for `requested`: "xla", "pallas" or "pallas_interpret"; logs which and why.
+    """The attention path that will run for `requested`: "xla", "pallas", "pallas_interpret" or "triton"; logs which
+    and why.
 
-    requested: one of ATTENTION_IMPLS. "auto" and "pallas" run the kernels where they compile for `device` (default:
-    the first) and a `kv_dtype` cache (`tuning.triton_unsupported`), XLA attention elsewhere, so an engine config
-    never crashes on an older GPU; "pallas_interpret" runs them interpreted (slow; for tests).
+    requested: one of ATTENTION_IMPLS. "auto" runs the Pallas kernels where they compile for `device` (default: the
+    first) and a `kv_dtype` cache (`tuning.triton_unsupported`: cc >= 8.0), below 8.0 the Triton kernels launched
+    through jax-triton when it is installed (`tuning.jax_triton_unsupported`), XLA attention elsewhere, so an engine
+    config never crashes on an older GPU. "pallas" / "triton" force one kernel family where it can run (XLA
+    otherwise); "pallas_interpret" runs the Pallas kernels interpreted (slow; for tests).
     """
     if requested not in ATTENTION_IMPLS:
         raise ConfigError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {requested!r}")
@@ -120,8 +126,11 @@ def resolve_impl(requested: str, kv_dtype: str | None = None, device=None) -> st
         if getattr(device, "platform", "cpu") == "cpu":
             impl = "xla"
             reason = ("CPU: XLA attention (Pallas GPU kernels would only run interpreted)" if requested == "auto" else
-                      "pallas requested on CPU: falling back to XLA attention (use pallas_interpret to run the kernels "
-                      "interpreted)")
+                      f"{requested} requested on CPU: falling back to XLA attention (use pallas_interpret to run the "
+                      "kernels interpreted)")
+        elif requested == "triton" or (requested == "auto" and unsupported
+                                       and tuning.compute_capability(device) < (8, 0)):
+            impl, reason = _triton_or_xla(device, kv_dtype, requested, unsupported)
         elif unsupported:
             impl, reason = "xla", f"{unsupported}, using XLA attention"
         else:
@@ -130,6 +139,25 @@ def resolve_impl(requested: str, kv_dtype: str | None = None, device=None) -> st
             impl, reason = "pallas", f"compute capability {major}.{minor}: Pallas Triton kernels ({how})"
     log.info("pocketjax attention: %s (%s)", impl, reason)
     return impl
+
+
+def _triton_or_xla(device, kv_dtype: str | None, requested: str, pallas_unsupported: str | None) -> tuple[str, str]:
+    """("triton", why) where jax-triton can launch the Triton kernels on `device`, else ("xla", why)."""
+    unsupported = tuning.jax_triton_unsupported(device, kv_dtype)
+    if unsupported:
+        return "xla", f"{unsupported}, using XLA attention"
+    major, minor = tuning.compute_capability(device)
+    if requested == "triton":
+        return "triton", f"compute capability {major}.{minor}: Triton kernels through jax-triton (requested)"
+    return "triton", f"{pallas_unsupported}; Triton kernels compiled by official Triton, launched through jax-triton"
+
+
+def _kernels(impl: str):
+    """The module holding decode_attention / prefill_attention of a kernel path (the Triton one imports triton)."""
+    if impl == "triton":
+        from pallas_kernels import triton_launch
+        return triton_launch
+    return pallas_kernels
 
 
 def split_kv(kv: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, dict]:
@@ -149,7 +177,7 @@ def decode_attention(impl: str, q, kv: tuple[jax.Array, ...], lengths, slots=Non
         return reference.decode_attention(q, k, v, lengths, slots=slots, **scales)
     def kernel(q, kv, lengths, slots):
         k, v, scales = split_kv(kv)
-        return pallas_kernels.decode_attention(q, k, v, lengths, slots=slots, interpret=impl == "pallas_interpret",
+        return _kernels(impl).decode_attention(q, k, v, lengths, slots=slots, interpret=impl == "pallas_interpret",
                                                **scales)
     return attention_over_heads(kernel, q, kv, lengths, slots)
 
@@ -162,6 +190,6 @@ def prefill_attention(impl: str, q, kv: tuple[jax.Array, ...], starts, q_lengths
         return reference.prefill_attention(q, k, v, starts, q_lengths, slots=slots, **scales)
     def kernel(q, kv, starts, q_lengths, slots):
         k, v, scales = split_kv(kv)
-        return pallas_kernels.prefill_attention(q, k, v, starts, q_lengths, slots=slots,
+        return _kernels(impl).prefill_attention(q, k, v, starts, q_lengths, slots=slots,
                                                 interpret=impl == "pallas_interpret", **scales)
     return attention_over_heads(kernel, q, kv, starts, q_lengths, slots)

@@ -162,6 +162,7 @@ def available_bytes(device: Any) -> int | None:
 def check_fits(what: str, per_device: int, devices: Sequence[Any], advice: str) -> None:
     """CapacityError, before anything is allocated, when `per_device` bytes on each device will not fit in its free
     memory (CPU devices share the host's, so theirs add up); the message carries both numbers and `advice`."""
+    devices = [d for d in devices if d.process_index == jax.process_index()]  # a job's other hosts check their own
     on_host = sum(d.platform == "cpu" for d in devices)
     checks = [(per_device * on_host, devices[0])] if on_host else []
     checks += [(per_device, d) for d in devices if d.platform != "cpu"]

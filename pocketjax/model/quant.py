@@ -62,13 +62,14 @@ class QuantizedWeight:
     bits: int = field(default=8, metadata={"static": True})
 
     @property
-    def shape(self) -> tuple[int, int]:
-        rows, out = self.values.shape
-        return (rows * 8 // self.bits, out)
+    def shape(self) -> tuple[int, ...]:
+        """[in, out], after a leading [layers] axis when stacked (the scan layout)."""
+        *lead, rows, out = self.values.shape
+        return (*lead, rows * 8 // self.bits, out)
 
     @property
     def group_size(self) -> int:
-        return self.shape[0] // self.scale.shape[0]
+        return self.shape[-2] // self.scale.shape[-2]
 
     @property
     def dtype(self):

@@ -33,12 +33,14 @@ axis stays with XLA, which cannot split a GPU kernel call, so the kernels see ev
 
 Beyond one host: `jax.distributed.initialize()` in every process, then the same code: `jax.devices()` spans the
 hosts, `make_mesh(tp=jax.local_device_count(), dp=jax.process_count())` keeps each TP group (and its all-reduces)
-on one host's fast links, and `make_array_from_callback` asks each process only for its local shards. (Tested
-here on one process only; what the engine still needs across processes is in the README's TP section.)
+on one host's fast links, and `make_array_from_callback` asks each process only for its local shards; `to_host`
+reads a step's output on every process even when its rows are split across them (serve/distributed.py,
+tests/test_multihost.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import jax
@@ -146,23 +148,53 @@ def cache_spec(kv_heads: int, mesh) -> P:
     return P(slots, heads)
 
 
-def cache_shardings(mesh: Mesh, num_layers: int, slots: int, kv_heads: int, quantized: bool = False) -> KVCache:
-    """A KVCache of NamedShardings: k/v (and their scales) per `cache_spec`, lengths along the slot axis."""
+def cache_shardings(mesh: Mesh, num_layers: int, slots: int, kv_heads: int, quantized: bool = False,
+                    stacked: bool = False) -> KVCache:
+    """A KVCache of NamedShardings: k/v (and their scales) per `cache_spec` (after a replicated layer axis when
+    `stacked`), lengths along the slot axis."""
     if DP in mesh.axis_names and slots % mesh.shape[DP]:
         raise ConfigError(f"{slots} slots cannot be split over dp={mesh.shape[DP]} replicas")
-    layer = NamedSharding(mesh, cache_spec(kv_heads, mesh))  # a prefix spec: also fits the [S, kv_heads, T] scales
+    spec = cache_spec(kv_heads, mesh)
+    # a prefix spec: also fits the [S, kv_heads, T] scales
+    layer = NamedSharding(mesh, stacked_spec(spec) if stacked else spec)
     lengths = NamedSharding(mesh, P(DP) if DP in mesh.axis_names else P())
-    scales = (layer,) * num_layers if quantized else ()
-    return KVCache(k=(layer,) * num_layers, v=(layer,) * num_layers, lengths=lengths, k_scale=scales, v_scale=scales)
+    arrays = layer if stacked else (layer,) * num_layers
+    scales = arrays if quantized else ()
+    return KVCache(k=arrays, v=arrays, lengths=lengths, k_scale=scales, v_scale=scales)
+
+
+def stacked_spec(spec: P) -> P:
+    """The spec of a [layers, ...] stack of arrays placed with `spec`: the layer axis is never split."""
+    return P(None, *spec)
 
 
 def init_sharded_cache(mesh: Mesh, num_layers: int, slots: int, kv_heads: int, max_seq_len: int, head_dim: int,
-                       dtype) -> KVCache:
+                       dtype, stacked: bool = False) -> KVCache:
     """A zeroed cache created directly in its shards: unlike device_put(init_cache(...), cache_shardings(...)), no
     device ever holds the whole cache (which may not fit on one device: that is why it is sharded)."""
-    shardings = cache_shardings(mesh, num_layers, slots, kv_heads, jnp.dtype(dtype).name in QMAX)
-    create = jax.jit(init_cache, static_argnums=range(6), out_shardings=shardings)
-    return create(num_layers, slots, kv_heads, max_seq_len, head_dim, jnp.dtype(dtype))
+    shardings = cache_shardings(mesh, num_layers, slots, kv_heads, jnp.dtype(dtype).name in QMAX, stacked)
+    create = jax.jit(init_cache, static_argnums=range(7), out_shardings=shardings)
+    return create(num_layers, slots, kv_heads, max_seq_len, head_dim, jnp.dtype(dtype), stacked)
+
+
+def to_host(tree: Any) -> Any:
+    """numpy copies of a pytree of device arrays, the same on every process.
+
+    Under jax.distributed a leaf split across processes (the sampler's rows, split over "dp" when dp spans hosts)
+    holds only its local rows here, so it is first replicated by one jitted all-gather of the whole tree; leaves
+    that are replicated or local (every single-process case) are read as they are.
+    """
+    leaves = jax.tree.leaves(tree)
+    split = [x for x in leaves if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated)]
+    if split:
+        tree = replicate(tree, NamedSharding(split[0].sharding.mesh, P()))
+    return jax.device_get(tree)
+
+
+@partial(jax.jit, static_argnames=("sharding",))
+def replicate(tree: Any, sharding: NamedSharding) -> Any:
+    """`tree` with every leaf replicated on `sharding`'s mesh (an all-gather of the split ones)."""
+    return jax.lax.with_sharding_constraint(tree, sharding)
 
 
 def kernel_mesh(cache: jax.Array):

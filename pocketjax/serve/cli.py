@@ -1,4 +1,4 @@
-"""Command line: `pocketjax generate | chat | bench | info` (also `python -m pocketjax`)."""
+"""Command line: `pocketjax generate | chat | serve | bench | info | finetune` (also `python -m pocketjax`)."""
 from __future__ import annotations
 
 import argparse
@@ -23,6 +23,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=DTYPES)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel devices")
     p.add_argument("--quantize", default=None, choices=sorted(MODES), help="weight-only quantization at load")
+    p.add_argument("--scan-layers", dest="scan_layers", default="auto", choices=["auto", "on", "off"],
+                   help="layer loop: one lax.scan over stacked layers (on: compiles once whatever the depth), unrolled "
+                        "(off: faster steps on CPU), or auto (load_model's rule)")
     engine = p.add_argument_group("engine (EngineConfig; unset: its defaults)")
     engine.add_argument("--max-seq-len", dest="max_seq_len", type=int)
     engine.add_argument("--max-batch-size", dest="max_batch_size", type=int)
@@ -32,6 +35,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--compile-cache-dir", dest="compile_cache_dir",
                         help="JAX's persistent compilation cache folder (default ~/.cache/pocketjax/xla; 'off')")
     p.add_argument("--warmup", action="store_true", help="compile every engine shape before the first request")
+    job = p.add_argument_group("multi-process job (jax.distributed; unset: one process). Start the same command in "
+                               "every process: process 0 takes the requests and prints, the others follow it")
+    job.add_argument("--num-processes", dest="num_processes", type=int, help="processes in the job ($JAX_NUM_PROCESSES)")
+    job.add_argument("--process-id", dest="process_id", type=int, help="this process, 0 to N-1 ($JAX_PROCESS_ID)")
+    job.add_argument("--coordinator", help="HOST:PORT where process 0 listens ($JAX_COORDINATOR_ADDRESS)")
 
 
 ENGINE_OPTIONS = tuple(ENVIRONMENT)  # every option a flag or a POCKETJAX_* variable sets
@@ -58,10 +66,24 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
                           seed=args.seed)
 
 
+def join_job(args: argparse.Namespace) -> bool:
+    """Join the multi-process job the flags (or JAX_* variables) describe, before JAX runs anything; False: alone."""
+    from .distributed import initialize
+    return initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+def follows(llm) -> bool:
+    """True on a process other than 0 of a multi-process job: its LLM steps in lockstep with process 0 and the
+    command does nothing else there (leaving the `with` block waits until process 0 closes)."""
+    group = llm.scheduler.group
+    return group is not None and not group.leader
+
+
 def make_llm(args: argparse.Namespace):
     from .llm import LLM
     return LLM(args.model, engine_config(args), dtype=args.dtype, tp=args.tp, quantize=args.quantize,
-               revision=args.revision, warmup=args.warmup)
+               revision=args.revision, warmup=args.warmup,
+               scan_layers={"on": True, "off": False}.get(args.scan_layers, args.scan_layers))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -70,6 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print("no prompt given (pass PROMPT arguments or lines on stdin)", file=sys.stderr)
         return 2
     with make_llm(args) as llm:
+        if follows(llm):
+            return 0
         sampling = sampling_from(args)
         llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0.0))  # compile outside the timing
         start = time.perf_counter()
@@ -97,6 +121,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     messages = []
     with make_llm(args) as llm:
+        if follows(llm):
+            return 0
         print("chat with the model; an empty line or EOF ends", file=sys.stderr)
         for line in sys.stdin:
             if not line.strip():
@@ -106,6 +132,36 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print(reply.text, flush=True)
             messages.append({"role": "assistant", "content": reply.text})
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    from .server import default_model_name, serve
+    api_key = args.api_key or os.environ.get("POCKETJAX_API_KEY") or None
+    with make_llm(args) as llm:
+        if follows(llm):
+            return 0
+        serve(llm, args.host, args.port, api_key=api_key, max_waiting=args.max_waiting, log_level=args.log_level,
+              model_name=args.served_model_name or args.model or default_model_name(llm))
+    return 0
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (beyond 127.0.0.1, set --api-key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1 (default: $POCKETJAX_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients pass (default: --model, or the "
+                                                             "embedded model's name)")
+    p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before new ones get 429")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+
+
+def cmd_finetune(args: argparse.Namespace) -> int:
+    import importlib
+    # training/ sits above serve/ in the layering (tests/test_layout.py), so the CLI reaches it by name at call time
+    return importlib.import_module("pocketjax.training.finetune").main(args.rest)
 
 
 def cmd_info(args: argparse.Namespace) -> int:
@@ -155,19 +211,30 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stream", action="store_true")
     chat = sub.add_parser("chat", help="interactive chat with the chat template")
     info = sub.add_parser("info", help="config, parameter count, memory plan, devices, attention path")
-    for p in (gen, chat, info):
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)")
+    add_serve_args(serve)
+    for p in (gen, chat, info, serve):
         add_model_args(p)
     for p in (gen, chat):
         add_sampling_args(p)
     bench = sub.add_parser("bench", help="benchmarks/bench_engine.py (arguments pass through)")
     bench.add_argument("rest", nargs=argparse.REMAINDER)
-    args = parser.parse_args(argv)
+    sub.add_parser("finetune", add_help=False, help="LoRA fine-tuning into a PEFT adapter folder "
+                   "(pocketjax.training.finetune; arguments pass through, --help lists them)")
+    args, rest = parser.parse_known_args(argv)  # finetune's own arguments are parsed by its module
+    if rest and args.command != "finetune":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "finetune":
+        args.rest = rest
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("[pocketjax] %(message)s"))
     logging.getLogger("pocketjax").addHandler(handler)
     logging.getLogger("pocketjax").setLevel(logging.INFO)
     try:
-        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "bench": cmd_bench}[args.command](args)
+        if hasattr(args, "num_processes"):
+            join_job(args)
+        return {"generate": cmd_generate, "chat": cmd_chat, "info": cmd_info, "serve": cmd_serve,
+                "bench": cmd_bench, "finetune": cmd_finetune}[args.command](args)
     except PocketJaxError as error:  # bad input is a one-line message and exit status 2, not a traceback
         print(f"pocketjax: {type(error).__name__}: {error}", file=sys.stderr)
         return 2

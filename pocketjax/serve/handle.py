@@ -84,6 +84,15 @@ class RequestHandle:
         thread is parked per stream."""
         return self._afollow(self._tokens)
 
+    async def deltas(self) -> AsyncIterator[tuple[list[int], str]]:
+        """`async for token_ids, text in handle.deltas()`: each wake-up's new ids and the text they completed, in
+        step, so a server streams text with per-token logprobs and usage (text lags ids while a character or a
+        possible stop string is incomplete). Needs a tokenizer."""
+        if self._detok is None:
+            raise ConfigError("deltas() needs a Scheduler created with a tokenizer")
+        async for tokens, pieces in self._abatches(self._tokens, self._pieces):
+            yield tokens, "".join(pieces)
+
     def _follow(self, items: list, timeout: float | None = None) -> Iterator:
         i = 0
         while True:
@@ -98,20 +107,26 @@ class RequestHandle:
         self._raise_error()
 
     async def _afollow(self, items: list) -> AsyncIterator:
+        async for (new,) in self._abatches(items):
+            for item in new:
+                yield item
+
+    async def _abatches(self, *lists: list) -> AsyncIterator[tuple[list, ...]]:
+        """Each wake-up's new items of `lists`, read together under the lock (so they stay in step)."""
         loop = asyncio.get_running_loop()
-        i = 0
+        seen = [0] * len(lists)
         while True:
             event = asyncio.Event()
             with self._cond:
-                new, finished = items[i:], self.done()
-                if not new and not finished:
+                new, finished = tuple(items[i:] for items, i in zip(lists, seen)), self.done()
+                if not any(new) and not finished:
                     self._waiters.append((loop, event))
-            if not new and not finished:
+            if not any(new) and not finished:
                 await event.wait()
                 continue
-            for item in new:
-                yield item
-            i += len(new)
+            if any(new):
+                yield new
+            seen = [i + len(items) for i, items in zip(seen, new)]
             if finished:
                 break
         self._raise_error()
@@ -153,7 +168,7 @@ class RequestHandle:
                 self._pieces.append(tail)
             text = "".join(self._pieces) if self._detok is not None else None
             self._completion = Completion(list(self._tokens), text, reason, req.logprobs[: len(self._tokens)],
-                                          list(req.prompt_tokens), req.request_id)
+                                          list(req.prompt_tokens), req.request_id, list(req.prompt_logprobs))
             self._wake()
 
     def fail(self, error: BaseException) -> None:

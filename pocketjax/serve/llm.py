@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,32 @@ from ..engine.request import Completion
 from ..engine.sampling import SamplingParams
 from ..errors import RequestError
 from ..model.decoder import Model, load_model
+from .distributed import ProcessGroup, default_mesh
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL = Path(__file__).parents[1] / "assets" / "pocket-coder"
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Score:
+    """A continuation's log-likelihood given its context: what an evaluation harness's loglikelihood request needs."""
+
+    token_ids: list[int]  # the continuation's tokens
+    logprobs: list[float]  # raw log p(token | context and the continuation tokens before it), one per token
+    logprob: float  # their sum
+    greedy: bool  # every continuation token was the argmax, first index on ties (lm-eval's is_greedy)
+
+
+def as_batch(prompts: Prompt | Sequence[Prompt], name: str = "prompts") -> list[Prompt]:
+    """A list of prompts: one string or one token-id list becomes a list of one (RequestError for anything else)."""
+    if not isinstance(prompts, (str, Sequence, np.ndarray)):
+        raise RequestError(f"{name} must be a string, a list of token ids, or a list of strings or id lists, "
+                           f"got {type(prompts).__name__}")
+    if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, float, np.number))):
+        return [prompts]
+    return list(prompts)
 
 
 class LLM:
@@ -24,21 +47,30 @@ class LLM:
 
     `quantize` ("int8", "int4", "+head" variants) quantizes weights at load; `kv_dtype` ("int8", "float8_e4m3fn")
     quantizes the KV cache (about half the bytes of a 16-bit cache, so twice the slots or context per GiB).
+    `scan_layers` ("auto", True, False) picks the layer loop, as `load_model`'s.
 
     Engine options (max_batch_size, max_seq_len, prefill_chunk, attention_impl, kv_dtype) are EngineConfig's fields,
     as keywords or as `engine_config`.
 
     Prompts are strings (tokenized with the checkpoint's tokenizer.json) or token-id lists. The scheduler runs on
     a background thread from the first request until `close()` (or the end of a `with` block).
+
+    In a multi-process job (after `pocketjax.serve.distributed.initialize`) every process constructs the same LLM:
+    weights go over a ("dp", "tp") mesh of every process's devices, process 0 takes the requests and the others
+    follow it step by step (the same prompts submitted on every process return the same completions everywhere);
+    process 0's `close()` ends the job, and `close()` elsewhere waits for it.
     """
 
     def __init__(self, model: str | Path | Model | None = None, engine_config: EngineConfig | None = None, *,
                  dtype: str | None = None, tp: int = 1, quantize: str | None = None, revision: str | None = None,
-                 seed: int = 0, warmup: bool = False,
+                 seed: int = 0, warmup: bool = False, scan_layers: bool | str = "auto",
                  tokenizer: Tokenizer | None = None, **engine_options: Any):
         config = EngineConfig.of(engine_config, **engine_options)  # checked before the weights load
+        group = ProcessGroup.current()  # None unless jax.distributed joined a multi-process job
         if not isinstance(model, Model):
-            model = load_model(model or DEFAULT_MODEL, dtype=dtype, tp=tp, quantize=quantize, revision=revision)
+            mesh = default_mesh(tp) if group is not None else None  # every device of the job: dp = devices / tp
+            model = load_model(model or DEFAULT_MODEL, dtype=dtype, tp=tp, quantize=quantize, revision=revision,
+                               mesh=mesh, scan_layers=scan_layers)
         self.model = model
         self.tokenizer = tokenizer
         if self.tokenizer is None and model.path and (Path(model.path) / "tokenizer.json").exists():
@@ -46,8 +78,12 @@ class LLM:
         self.engine = Engine(model, config, seed=seed)
         if warmup:  # every shape compiled now (and kept in the compile cache), none in the middle of serving
             self.engine.warmup()
-        self.scheduler = Scheduler(self.engine, max_waiting=1 << 20, tokenizer=self.tokenizer)  # generate() queues all
+        self.scheduler = Scheduler(self.engine, max_waiting=1 << 20, tokenizer=self.tokenizer,  # generate() queues all
+                                   group=group)
         self.started = False
+        if group is not None:  # every process steps in lockstep from now on (process 0 at least once a second)
+            self.scheduler.start()
+            self.started = True
 
     def __enter__(self) -> "LLM":
         return self
@@ -82,11 +118,7 @@ class LLM:
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None) -> list[Completion]:
         """One Completion per prompt, in order; all prompts run concurrently (continuous batching)."""
-        if not isinstance(prompts, (str, Sequence, np.ndarray)):
-            raise RequestError("prompts must be a string, a list of token ids, or a list of strings or id lists, "
-                               f"got {type(prompts).__name__}")
-        if isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, float, np.number))):
-            prompts = [prompts]
+        prompts = as_batch(prompts)
         if not (sampling is None or isinstance(sampling, (SamplingParams, list, tuple))):
             raise RequestError(f"sampling must be a SamplingParams or a list of them, got {type(sampling).__name__}")
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
@@ -111,3 +143,53 @@ class LLM:
             raise RequestError("this model folder has no tokenizer: chat needs a chat template")
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate(prompt, sampling)[0]
+
+    def score(self, contexts: Prompt | Sequence[Prompt], continuations: Prompt | Sequence[Prompt]) -> list[Score]:
+        """The log-probability of each continuation after its context, token by token, in one batched pass.
+
+        Strings or token-id lists (both of a pair the same kind); one context pairs with every continuation, else
+        one context per continuation. Each pair runs as one request whose prompt is context + continuation, with
+        `prompt_logprobs` from the batched prefill and a single generated token (the least the engine runs).
+        """
+        conts = as_batch(continuations, "continuations")
+        ctxs = as_batch(contexts, "contexts")
+        if len(ctxs) == 1:
+            ctxs = ctxs * len(conts)
+        if len(ctxs) != len(conts):
+            raise RequestError(f"{len(ctxs)} contexts for {len(conts)} continuations (give one, or one each)")
+        pairs = [self.encode_pair(ctx, cont) for ctx, cont in zip(ctxs, conts)]
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)  # top-1: the greedy flag
+        handles = [self.submit(ctx + cont, sampling) for ctx, cont in pairs]
+        scores = []
+        for handle, (ctx, cont) in zip(handles, pairs):
+            entries = handle.result().prompt_logprobs[len(ctx):]
+            logprobs = [lp for lp, _ in entries]
+            greedy = all(next(iter(top)) == token for token, (_, top) in zip(cont, entries))
+            scores.append(Score(cont, logprobs, float(sum(logprobs)), greedy))
+        return scores
+
+    def encode_pair(self, context: Prompt, continuation: Prompt) -> tuple[list[int], list[int]]:
+        """Context and continuation token ids, split as lm-eval does: trailing spaces of a text context move to the
+        continuation, the whole text is encoded at once and split after as many tokens as the context alone
+        encodes to. Where the tokenizer merges characters across the boundary, the tokens after that count are the
+        continuation (they may carry context characters, or the context's last token the continuation's first).
+        An empty text context is the tokenizer's BOS (else EOS) token, as lm-eval's prefix token."""
+        if isinstance(context, str) != isinstance(continuation, str):
+            raise RequestError("a context and its continuation must both be strings or both token-id lists")
+        if not isinstance(context, str):
+            ctx, cont = self.encode(context), self.encode(continuation)
+        elif context == "":
+            ids = (self.tokenizer.bos_token_id, self.tokenizer.eos_token_id) if self.tokenizer is not None else ()
+            ctx, cont = [i for i in ids if i is not None][:1], self.encode(continuation)
+            if not ctx:
+                raise RequestError("an empty context needs a tokenizer with a BOS or EOS token to stand for it")
+        else:
+            spaces = len(context) - len(context.rstrip())
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            whole, ctx = self.encode(context + continuation), self.encode(context)
+            ctx, cont = whole[:len(ctx)], whole[len(ctx):]
+        if not ctx or not cont:
+            raise RequestError(f"context and continuation must each be at least one token, got {len(ctx)} and "
+                               f"{len(cont)} (context {context!r}, continuation {continuation!r})")
+        return ctx, cont

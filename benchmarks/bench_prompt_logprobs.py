@@ -1,0 +1,92 @@
+"""What prompt log-probabilities cost a prefill: the plain prefill step next to the scored variant (every position's
+logprob of the next prompt token, with the top-0 or top-20 alternatives). Prints a markdown table last; `--json`
+writes every record.
+
+    python benchmarks/bench_prompt_logprobs.py --model qwen3-tiny --concurrency 1,4 --prompt-len 128 --json out.json
+    python benchmarks/bench_prompt_logprobs.py --model qwen3-0.6b --concurrency 1 --prompt-len 256
+
+Per concurrency c: one device call over c rows of --prompt-len tokens (one chunk), timed after one untimed call that
+compiles it; medians of --repeats. The engine itself always runs the top-20 variant (one compiled shape per prefill
+shape); the top-0 row shows what the top-k costs on its own.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.engine.sampling import MAX_LOGPROBS  # noqa: E402
+from pocketjax.engine.steps import prefill_scored_step, prefill_step  # noqa: E402
+from pocketjax.model.decoder import load_model  # noqa: E402
+
+VARIANTS = {"plain": None, "scored top-0": 0, f"scored top-{MAX_LOGPROBS}": MAX_LOGPROBS}
+
+
+def time_variant(engine: Engine, num_top: int | None, c: int, length: int, repeats: int) -> list[float]:
+    """Seconds per call of one prefill variant over c rows of `length` tokens (the first call compiles, untimed)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, engine.model.config.vocab_size, (c, length)).astype(np.int32)
+    slots, zeros = np.arange(c, dtype=np.int32), np.zeros(c, np.int32)
+    lengths = np.full(c, length, np.int32)
+    targets = np.concatenate([tokens[:, 1:], zeros[:, None]], axis=1)
+    step = dict(config=engine.model.config, impl=engine.impl, kv_len=engine._kv_bucket(length))
+    times = []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        if num_top is None:
+            engine.cache, out = prefill_step(engine.model.params, engine.cache, tokens, slots, zeros, lengths, **step)
+        else:
+            engine.cache, _, out = prefill_scored_step(engine.model.params, engine.cache, tokens, slots, zeros,
+                                                       lengths, targets, np.ones(c, bool), num_top=num_top, **step)
+        jax.block_until_ready(out)
+        if i:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-tiny", help=f"HF folder or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", default="1,4")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    folder = (build_preset(args.model, Path(args.cache_dir) / f"{args.model}-{args.dtype}", args.dtype)
+              if args.model in PRESETS else Path(args.model))
+    model = load_model(folder, dtype=args.dtype)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=2 * args.prompt_len,
+                    prefill_chunk=args.prompt_len, compile_cache_dir="off")
+    records = []
+    for c in concurrency:
+        for name, num_top in VARIANTS.items():
+            times = time_variant(engine, num_top, c, args.prompt_len, args.repeats)
+            records.append(dict(model=args.model, dtype=args.dtype, concurrency=c, prompt_len=args.prompt_len,
+                                variant=name, seconds=statistics.median(times), seconds_runs=times))
+    result = {"machine": {"backend": jax.default_backend(), "devices": str(jax.devices())}, "records": records}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print("| model | c | prompt | variant | ms | x plain |\n|---|---|---|---|---|---|")
+    for r in records:
+        plain = next(q for q in records if q["concurrency"] == r["concurrency"] and q["variant"] == "plain")
+        print(f"| {r['model']} | {r['concurrency']} | {r['prompt_len']} | {r['variant']} | {1e3 * r['seconds']:.1f} | "
+              f"{r['seconds'] / plain['seconds']:.2f} |")
+    return result
+
+
+if __name__ == "__main__":
+    main()

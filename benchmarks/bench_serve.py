@@ -1,0 +1,157 @@
+"""The HTTP layer's cost: a Poisson stream of requests through `pocketjax serve`'s app, next to the same stream
+submitted to its Scheduler directly.
+
+One LLM (so one engine and one set of compiled steps, all compiled by its warm-up) serves both. "scheduler": each
+request is submitted to `llm.scheduler` and its tokens read by an asyncio reader (benchmarks/serve.py's `stream`).
+"http": each request is one streaming POST /v1/completions (token-id prompt, greedy, ignore_eos) on its own
+connection, to uvicorn on a thread of this process; the clients run in a second process (asyncio + httpx2), so their
+parsing does not take the server's GIL. A token's time is when the SSE chunk carrying it arrives (chunks carry vLLM's
+continuous usage stats, so a chunk of k tokens counts k; perf_counter is the system-wide monotonic clock, so both
+processes' times compare). Both report output throughput, time to first token and inter-token latency p50/p99
+(benchmarks/serve.py's `summarize`); each system runs the stream once unmeasured, then `--repeats` measured passes,
+interleaved, and the pass with the median throughput is reported. CPU milliseconds per token, this process (engine,
+scheduler, HTTP server) and the client process, say what the HTTP layer costs regardless of the machine's load
+(wall-clock numbers on a shared box are indicative). `--rate 0` sends every request at once (saturation). Prints a
+markdown table last; `--json PATH` writes every number.
+
+    .venv/bin/python benchmarks/bench_serve.py [--quick] [--json out/bench_serve.json] [--rate 6] [--requests 24]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import jax
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import pocketjax as pj  # noqa: E402
+from benchmarks.serve import SHAPES, Item, Trace, stream, summarize, table, workload  # noqa: E402
+from pocketjax.engine.config import EngineConfig  # noqa: E402
+from pocketjax.serve.llm import DEFAULT_MODEL  # noqa: E402
+from pocketjax.serve.server import BackgroundServer, create_app  # noqa: E402
+
+COLUMNS = ["system", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+           "server_cpu_ms_per_token", "client_cpu_ms_per_token", "http_errors"]
+
+
+async def http_stream(url: str, items: list[Item]) -> tuple[list[Trace], int]:
+    """Each item as its own streaming POST at its arrival time; (client traces, requests that failed)."""
+    import httpx2
+
+    t0 = time.perf_counter()
+    failed = 0
+
+    async def one(client: httpx2.AsyncClient, item: Item) -> Trace:
+        nonlocal failed
+        await asyncio.sleep(max(0.0, t0 + item.arrival - time.perf_counter()))
+        trace, seen = Trace(time.perf_counter()), 0
+        body = {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"continuous_usage_stats": True}}
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                failed += 1
+                return trace
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                now, count = time.perf_counter(), json.loads(line[6:])["usage"]["completion_tokens"]
+                trace.token_times += [now] * (count - seen)
+                seen = count
+        return trace
+
+    limits = httpx2.Limits(max_connections=len(items), max_keepalive_connections=len(items))
+    async with httpx2.AsyncClient(timeout=600, limits=limits) as client:
+        traces = await asyncio.gather(*(one(client, item) for item in items))
+    return [t for t in traces if t.token_times], failed
+
+
+def http_pass(url: str, items: list[Item]) -> tuple[list[Trace], int, float]:
+    """One pass of HTTP clients (run in the client process): traces, failures, the client process's CPU seconds."""
+    cpu = time.process_time()
+    traces, failed = asyncio.run(http_stream(url, items))
+    return traces, failed, time.process_time() - cpu
+
+
+def run(llm: pj.LLM, items: list[Item], repeats: int) -> list[dict]:
+    """Unmeasured passes of both systems, then `repeats` measured ones each, interleaved; every pass's record."""
+    records = []
+    llm.scheduler.start()
+    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or jax state
+    with BackgroundServer(create_app(llm)) as server, ProcessPoolExecutor(1, mp_context=spawn) as clients:
+        systems = {"scheduler": lambda: (asyncio.run(stream(llm.scheduler, items)), 0, 0.0),
+                   "http": lambda: clients.submit(http_pass, server.url, items).result()}
+        for go in systems.values():
+            go()  # any shape the warm-up missed compiles here
+        compiled = llm.engine.compiled_count()
+        for k in range(repeats):
+            for name, go in systems.items():
+                cpu = time.process_time()  # every thread of this process: engine, scheduler, HTTP server, readers
+                traces, failed, client_cpu = go()
+                tokens = sum(len(t.token_times) for t in traces)
+                records.append(summarize(name, traces, {
+                    "pass": k, "http_errors": failed,
+                    "server_cpu_ms_per_token": round(1e3 * (time.process_time() - cpu) / tokens, 3),
+                    "client_cpu_ms_per_token": round(1e3 * client_cpu / tokens, 3)}))
+        recompiled = llm.engine.compiled_count() - compiled
+    for record in records:
+        record["recompiled"] = recompiled
+    return records
+
+
+def median_pass(records: list[dict], system: str) -> dict:
+    runs = sorted((r for r in records if r["system"] == system), key=lambda r: r["output_tok_s"])
+    return runs[len(runs) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="checkpoint folder with tokenizer.json "
+                                                                     "(default: the embedded model)")
+    parser.add_argument("--quick", action="store_true", help="short prompts and outputs, one attention length")
+    parser.add_argument("--requests", type=int, help="requests per pass (default 48, quick 24)")
+    parser.add_argument("--rate", type=float, help="mean arrivals per second; 0: all at once (default 8, quick 6)")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="measured passes per system")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the records here")
+    args = parser.parse_args()
+    load_start = os.getloadavg()
+    prompts, outputs, max_seq_len, chunk, min_chunk = SHAPES["quick" if args.quick else "full"]
+    config = EngineConfig(max_batch_size=args.slots, max_seq_len=max_seq_len, prefill_chunk=chunk,
+                          min_prefill_bucket=min_chunk)
+    n = args.requests or (24 if args.quick else 48)
+    rate = args.rate if args.rate is not None else (6.0 if args.quick else 8.0)
+    with pj.LLM(args.model, config, warmup=True) as llm:  # every shape compiled first: none while measuring
+        items = workload(n, rate, prompts, outputs, llm.model.config.vocab_size, args.seed)
+        records = run(llm, items, args.repeats)
+    best = {system: median_pass(records, system) for system in ("scheduler", "http")}
+    s, h = best["scheduler"], best["http"]
+    overhead = {"system": "http / scheduler", "output_tok_s": round(h["output_tok_s"] / s["output_tok_s"], 3),
+                **{k: round(h[k] - s[k], 3) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                                                      "server_cpu_ms_per_token", "client_cpu_ms_per_token")}}
+    machine = {"platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
+               "device": str(jax.devices()[0]), "cpus": os.cpu_count(), "model": args.model, "rate": rate,
+               "requests": n, "slots": args.slots, "repeats": args.repeats, "seed": args.seed,
+               "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"machine": machine, "records": records, "median": best,
+                                               "overhead": overhead}, indent=2))
+    for r in records:
+        print(json.dumps(r))
+    print("(overhead row: throughput ratio, latency differences in ms)")
+    print(table([s, h, overhead], COLUMNS))
+
+
+if __name__ == "__main__":
+    main()

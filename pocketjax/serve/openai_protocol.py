@@ -1,0 +1,189 @@
+"""OpenAI's request and response shapes: pydantic request models, their SamplingParams, and logprob formatting.
+
+Types are checked strictly (a string where a number belongs is a 400, never coerced); ranges are left to
+`SamplingParams.validate`, the one place that knows them, so the server and the Python API reject the same values.
+Fields set to null take their default, as OpenAI's API does.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.request import Completion
+from ..engine.sampling import SamplingParams
+from .tokenizer import Tokenizer
+
+MAX_N = 64  # choices per request: each is a request of its own in the scheduler
+
+
+class APIError(Exception):
+    """An HTTP error answered with OpenAI's error object (status, message, type, param, code)."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object: what its clients parse into `APIError.message`, `.type`, `.param`, `.code`."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's extension: usage so far in every chunk
+
+
+class SamplingFields(BaseModel):
+    """The fields both endpoints share (OpenAI's, plus vLLM's top_k, min_p, repetition_penalty, ignore_eos,
+    stop_token_ids); unknown fields are ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, Any] | None = None  # not supported: rejected when not empty
+    user: str | None = None  # accepted and ignored
+
+    def check_supported(self) -> None:
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    def sampling(self, max_tokens: int, logprobs: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
+        """The SamplingParams these fields ask for (validated later by the engine, which names a bad field)."""
+        given = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
+                                                        "frequency_penalty", "repetition_penalty", "seed",
+                                                        "ignore_eos")}
+        given = {name: value for name, value in given.items() if value is not None}
+        if self.top_k is not None:
+            given["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM's -1 means off, as our 0
+        return SamplingParams(max_tokens=max_tokens, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None  # not supported
+    best_of: int | None = None  # only best_of == n (no extra candidates)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": false}
+    tools: list[Any] | None = None  # not supported: rejected when not empty
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools")
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def chat_messages(self) -> list[dict[str, Any]]:
+        """The messages with text-only content parts joined into one string (what text-only templates expect)."""
+        out = []
+        for message in self.messages:
+            content = message.get("content")
+            if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+            out.append(message)
+        return out
+
+
+def with_seed(sampling: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n choices: seed + i (mod 2**32), so choices differ yet each is reproducible; None stays None
+    (the engine draws a fresh seed per request)."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**32)
+
+
+class TokenText:
+    """Token id -> its text (special tokens included), memoized: logprobs name every token they list."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._cache.get(token)
+        if text is None:
+            text = self._cache[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
+
+Entry = tuple[float, dict[int, float]]
+
+
+def completion_logprobs(text_of: TokenText, tokens: Sequence[int], entries: Sequence[Entry | None],
+                        offset: int = 0) -> dict[str, Any]:
+    """/v1/completions' logprobs object; an entry of None (the echoed prompt's first token) has no logprob.
+    Each top_logprobs dict holds the top-k and the chosen token (as vLLM does)."""
+    out: dict[str, Any] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(tokens, entries):
+        text = text_of(token)
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        offset += len(text)
+        if entry is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        logprob, top = entry
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({**{text_of(t): lp for t, lp in top.items()}, text: logprob})
+    return out
+
+
+def chat_logprobs(text_of: TokenText, tokens: Sequence[int], entries: Sequence[Entry]) -> dict[str, Any]:
+    """/v1/chat/completions' logprobs object: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+
+    def item(token: int, logprob: float) -> dict[str, Any]:
+        text = text_of(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(token, logprob), "top_logprobs": [item(t, lp) for t, lp in top.items()]}
+                        for token, (logprob, top) in zip(tokens, entries)]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(completion: Completion) -> str:
+    return completion.finish_reason or "stop"

@@ -1,0 +1,424 @@
+"""OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models, /health over one LLM.
+
+FastAPI on uvicorn, as vLLM serves: pydantic request models give OpenAI-shaped 400s for free, and uvicorn's
+ASGI 2.3 interface tells a streaming response when its client leaves. Every request becomes one handle per choice
+on the LLM's one Scheduler, so HTTP clients share continuous batching; the scheduler thread runs the engine and
+the event loop only waits on handles (`RequestHandle.deltas`), never on the device. A client that disconnects
+cancels its handles, which frees their slots at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine.request import Completion
+from ..errors import CapacityError, ConfigError, PocketJaxError, RequestError, StoppedError
+from .handle import RequestHandle
+from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, StreamOptions,
+                              TokenText, chat_logprobs, completion_logprobs, error_body, finish_reason, usage,
+                              with_seed)
+
+if TYPE_CHECKING:
+    from .llm import LLM
+
+log = logging.getLogger("pocketjax.server")
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = None,
+               max_waiting: int | None = None) -> FastAPI:
+    """A FastAPI app serving `llm` (whose scheduler it shares with any other caller); `api_key` guards /v1.
+
+    `max_waiting` bounds the scheduler's queue: past it a request gets 429 at once instead of waiting.
+    """
+    if llm.tokenizer is None:
+        raise ConfigError("serving needs a checkpoint with a tokenizer (tokenizer.json): responses are text")
+    if max_waiting is not None:
+        if not isinstance(max_waiting, int) or max_waiting < 1:
+            raise ConfigError(f"max_waiting must be a positive integer, got {max_waiting!r}")
+        llm.scheduler.max_waiting = max_waiting
+    name = model_name or default_model_name(llm)
+    text_of = TokenText(llm.tokenizer)
+    created = int(time.time())
+    app = FastAPI(title="pocketjax", version="0.1.0")
+    install_error_handlers(app)
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        sched = llm.scheduler
+        return {"status": "ok", "running": len(sched.running), "waiting": len(sched.waiting),
+                "free_slots": llm.engine.num_free_slots}
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
+                                            "owned_by": "pocketjax", "max_model_len": llm.engine.max_seq_len}]}
+
+    def check(body: SamplingFields) -> None:
+        if body.model is not None and body.model != name:
+            raise APIError(404, f"The model `{body.model}` does not exist (this server serves `{name}`)",
+                           param="model", code="model_not_found")
+        body.check_supported()
+
+    def budget(prompt: Sequence[int], asked: int | None, default: int | None) -> int:
+        """max_tokens for a prompt: asked, or the default (None: the rest of the context); 400 past the context."""
+        room = llm.engine.max_seq_len - len(prompt)
+        max_tokens = (room if default is None else default) if asked is None else asked
+        if room < 1 or max_tokens > room:
+            raise APIError(400, f"This model's maximum context length is {llm.engine.max_seq_len} tokens. However, "
+                                f"you requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
+                                f"{max_tokens} for the completion).", param="prompt" if room < 1 else "max_tokens",
+                           code="context_length_exceeded")
+        return max_tokens
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check(body)
+        prompts = prompt_list(body.prompt)
+        ids = [llm.encode(p) for p in prompts]
+        echo, top = bool(body.echo), body.logprobs
+        if body.stream and echo and top is not None:
+            raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
+        n, jobs = body.n or 1, []
+        for prompt in ids:
+            sampling = body.sampling(budget(prompt, body.max_tokens, COMPLETIONS_MAX_TOKENS), top or 0,
+                                     top if echo and top is not None else None)
+            jobs += [(prompt, with_seed(sampling, i)) for i in range(n)]
+        reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", name, submit_all(llm, jobs),
+                      sum(len(p) for p in ids), body.stream_options)
+        heads = [(p if isinstance(p, str) else llm.tokenizer.decode(p, skip_special_tokens=False)) if echo else ""
+                 for p in prompts for _ in range(n)]
+        if body.stream:
+            return sse_response(completion_events(reply, heads, top, text_of))
+        choices = []
+        for i, (out, head) in enumerate(zip(await finish_all(request, reply.handles), heads)):
+            logprobs = None
+            if top is not None:
+                tokens, entries = out.token_ids, out.logprobs[:len(out.token_ids)]
+                if echo:
+                    tokens, entries = out.prompt_tokens + tokens, list(out.prompt_logprobs) + entries
+                logprobs = completion_logprobs(text_of, tokens, entries)
+            choices.append({"index": i, "text": head + out.text, "logprobs": logprobs,
+                            "finish_reason": finish_reason(out)})
+        return reply.body(choices, reply.completion_tokens())
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check(body)
+        options = {"add_generation_prompt": True, **(body.chat_template_kwargs or {})}
+        prompt = llm.encode(llm.tokenizer.apply_chat_template(body.chat_messages(), **options))
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        sampling = body.sampling(budget(prompt, asked, None), top or 0)
+        handles = submit_all(llm, [(prompt, with_seed(sampling, i)) for i in range(body.n or 1)])
+        reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", name, handles, len(prompt),
+                      body.stream_options)
+        if body.stream:
+            return sse_response(chat_events(reply, top, text_of))
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
+                    "logprobs": (chat_logprobs(text_of, out.token_ids, out.logprobs[:len(out.token_ids)])
+                                 if top is not None else None),
+                    "finish_reason": finish_reason(out)} for i, out in enumerate(await finish_all(request, handles))]
+        return reply.body(choices, reply.completion_tokens())
+
+    app.include_router(v1)
+    return app
+
+
+@dataclass
+class Reply:
+    """One response being built: its id, object type, model name, the handles of its choices (in order) and the
+    counts its usage reports."""
+
+    id: str
+    object: str
+    model: str
+    handles: list[RequestHandle]
+    prompt_tokens: int
+    stream_options: StreamOptions | None = None
+
+    def completion_tokens(self) -> int:
+        return sum(h.num_delivered for h in self.handles)
+
+    def body(self, choices: list[dict], completion_tokens: int | None = None, chunk: bool = False) -> dict[str, Any]:
+        """The response (or, with `chunk`, one stream chunk); with `completion_tokens` it carries usage."""
+        out = {"id": self.id, "object": self.object + (".chunk" if chunk and self.object != "text_completion" else ""),
+               "created": int(time.time()), "model": self.model, "choices": choices}
+        if completion_tokens is not None:
+            out["usage"] = usage(self.prompt_tokens, completion_tokens)
+        return out
+
+    def chunk(self, choices: list[dict], completion_tokens: int) -> dict[str, Any]:
+        """A stream chunk; usage so far only with stream_options.continuous_usage_stats (vLLM's extension)."""
+        continuous = self.stream_options is not None and self.stream_options.continuous_usage_stats
+        return self.body(choices, completion_tokens if continuous else None, chunk=True)
+
+    def usage_chunk(self, completion_tokens: int) -> dict[str, Any] | None:
+        """The last chunk, choices empty, with the usage: only with stream_options.include_usage."""
+        if self.stream_options is None or not self.stream_options.include_usage:
+            return None
+        return self.body([], completion_tokens, chunk=True)
+
+
+async def completion_events(reply: Reply, heads: list[str], top: int | None, text_of: TokenText
+                            ) -> AsyncIterator[dict]:
+    """/v1/completions stream chunks: each choice's new text (after its echoed prompt, `heads`) with the logprobs
+    of its new tokens, a last chunk per choice with its finish_reason, then the usage chunk if asked."""
+    sent, offsets = [0] * len(reply.handles), [len(h) for h in heads]
+    async for i, tokens, text, done in merged(reply.handles):
+        entries = reply.handles[i].request.logprobs[sent[i]:sent[i] + len(tokens)]
+        sent[i] += len(tokens)
+        if tokens or text:
+            logprobs = None
+            if top is not None:
+                logprobs = completion_logprobs(text_of, tokens, entries, offsets[i])
+                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+            text, heads[i] = heads[i] + text, ""
+            yield reply.chunk([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}], sum(sent))
+        if done is not None:
+            yield reply.chunk([{"index": i, "text": heads[i], "logprobs": None, "finish_reason": finish_reason(done)}],
+                              sum(sent))
+    if (last := reply.usage_chunk(sum(sent))) is not None:
+        yield last
+
+
+async def chat_events(reply: Reply, top: int | None, text_of: TokenText) -> AsyncIterator[dict]:
+    """/v1/chat/completions stream chunks: the assistant role per choice, content deltas with the logprobs of their
+    tokens, a last chunk per choice with its finish_reason, then the usage chunk if asked."""
+    sent = [0] * len(reply.handles)
+    for i in range(len(reply.handles)):
+        yield reply.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}], 0)
+    async for i, tokens, text, done in merged(reply.handles):
+        entries = reply.handles[i].request.logprobs[sent[i]:sent[i] + len(tokens)]
+        sent[i] += len(tokens)
+        if text or (tokens and top is not None):  # ids still forming a character carry no text, but logprobs
+            logprobs = chat_logprobs(text_of, tokens, entries) if top is not None else None
+            yield reply.chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs,
+                                "finish_reason": None}], sum(sent))
+        if done is not None:
+            yield reply.chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}],
+                              sum(sent))
+    if (last := reply.usage_chunk(sum(sent))) is not None:
+        yield last
+
+
+def default_model_name(llm: LLM) -> str:
+    """The name clients pass as `model`: the checkpoint folder's name (the embedded model: pocket-coder)."""
+    path = getattr(llm.model, "path", None)
+    return str(path).rstrip("/").rsplit("/", 1)[-1] if path else "pocketjax"
+
+
+def prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """OpenAI's four prompt forms as a list of prompts: a string, strings, token ids, lists of token ids."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    return list(prompt)
+
+
+def submit_all(llm: LLM, jobs: Sequence[tuple[list[int], Any]]) -> list[RequestHandle]:
+    """Submit every (prompt ids, sampling) or none: a refusal (full queue, invalid request) cancels the ones
+    already queued and raises its typed error before any response is sent."""
+    handles: list[RequestHandle] = []
+    try:
+        for prompt, sampling in jobs:
+            handle = llm.submit(prompt, sampling)
+            handles.append(handle)
+            if handle.done():  # the scheduler fails an invalid request's handle at submit
+                handle.result(timeout=0)
+    except BaseException:
+        for handle in handles:
+            handle.cancel()
+        raise
+    return handles
+
+
+async def finish_all(request: Request, handles: list[RequestHandle]) -> list[Completion]:
+    """Every handle's Completion; if the client disconnects first (or one fails), the others are cancelled."""
+
+    async def wait(handle: RequestHandle) -> Completion:
+        async for _ in handle.deltas():
+            pass
+        return handle.result(timeout=0)
+
+    watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
+    try:
+        return list(await asyncio.gather(*(wait(h) for h in handles)))
+    finally:
+        watcher.cancel()
+        for handle in handles:
+            handle.cancel()  # no-op for a finished one
+
+
+async def cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -> None:
+    """Wait for the client to go away (the body is read, so the next ASGI message is the disconnect); cancel."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - a broken connection is a disconnect too
+        pass
+    for handle in handles:
+        handle.cancel()
+
+
+async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list[int], str, Completion | None]]:
+    """(choice index, new token ids, new text, Completion once it ended) from every handle as they arrive; a failed
+    handle raises its error. Leaving early (the client left) cancels every handle."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestHandle) -> None:
+        try:
+            async for tokens, text in handle.deltas():
+                queue.put_nowait((i, tokens, text, None))
+            queue.put_nowait((i, [], "", handle.result(timeout=0)))
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, None, None, error))
+
+    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(handles)
+        while left:
+            i, tokens, text, done = await queue.get()
+            if isinstance(done, BaseException):
+                raise done
+            left -= done is not None
+            yield i, tokens, text, done
+    finally:
+        for task in tasks:
+            task.cancel()
+        for handle in handles:
+            handle.cancel()
+
+
+def sse_response(events: AsyncIterator[dict]) -> StreamingResponse:
+    """Server-sent events in OpenAI's format, ending with `data: [DONE]`; an error after the headers went out is
+    one `data: {"error": ...}` event (as vLLM sends). Starlette cancels the stream when the client disconnects,
+    and `merged` then cancels the handles."""
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            async for event in events:
+                yield f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+        except PocketJaxError as error:
+            _, payload = error_response(error)
+            yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def error_response(error: PocketJaxError) -> tuple[int, dict[str, Any]]:
+    """HTTP status and OpenAI error body of a typed pocketjax error."""
+    if isinstance(error, RequestError):  # SamplingError included
+        return 400, error_body(str(error))
+    if isinstance(error, CapacityError):  # a full queue: clients back off and retry (openai's client does)
+        return 429, error_body(str(error), "rate_limit_error", code="queue_full")
+    if isinstance(error, StoppedError):
+        return 503, error_body(str(error), "server_error", code="stopped")
+    return 500, error_body(str(error), "server_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every error answers with OpenAI's error object: validation failures and malformed JSON as 400 (FastAPI
+    would say 422), typed pocketjax errors by kind, unknown routes as 404, anything else as 500."""
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        first = problems[0] if problems else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        else:
+            message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
+                                for e in problems[:3])
+            param = loc[0] if loc else None
+        return JSONResponse(error_body(message, param=param), status_code=400)
+
+    @app.exception_handler(PocketJaxError)
+    async def pocketjax_error(request: Request, error: PocketJaxError) -> JSONResponse:
+        status, body = error_response(error)
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, error: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error"), status_code=500)
+
+
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
+          model_name: str | None = None, max_waiting: int | None = None, log_level: str = "info") -> None:
+    """Serve `llm` until interrupted (the CLI's `pocketjax serve`)."""
+    import uvicorn
+
+    if api_key is None and host not in LOOPBACK:
+        log.warning("serving on %s without --api-key: anyone who can reach this port can use the model", host)
+    app = create_app(llm, model_name=model_name, api_key=api_key, max_waiting=max_waiting)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+class BackgroundServer:
+    """uvicorn serving `app` on a daemon thread, on 127.0.0.1 and an ephemeral port by default (tests, benchmarks,
+    notebooks): `with BackgroundServer(app) as server: OpenAI(base_url=server.url + "/v1", ...)`."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        import uvicorn
+
+        self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._socket.bind((host, port))
+        self.host, self.port = host, self._socket.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="pocketjax-http", daemon=True)
+
+    def __enter__(self) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        self._socket.close()
