@@ -43,6 +43,7 @@ from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.steps import Penalties, bucket, decode_step, sample_next  # noqa: E402
 from pocketjax.model.kv_cache import init_cache  # noqa: E402
+from pocketjax.model.layers import ATTENTION_IMPLS  # noqa: E402
 from pocketjax.model.decoder import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams, pack_sampling  # noqa: E402
 
@@ -73,7 +74,7 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=default(0), help="engine max_seq_len (0: next power of two "
                    ">= prompt + gen, at least 128)")
     p.add_argument("--prefill-chunk", type=int, default=default(512))
-    p.add_argument("--attention", default=default("auto"), choices=["auto", "xla", "pallas", "pallas_interpret"])
+    p.add_argument("--attention", default=default("auto"), choices=list(ATTENTION_IMPLS))
     p.add_argument("--peers", default=default("transformers"),
                    help="comma-separated: transformers, llamacpp ('' for none)")
     p.add_argument("--gguf", default=default(None),

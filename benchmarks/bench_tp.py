@@ -35,6 +35,7 @@ from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.model.memory import per_device_bytes  # noqa: E402
 from pocketjax.engine.steps import decode_step  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
+from pocketjax.model.layers import ATTENTION_IMPLS  # noqa: E402
 
 QUICK = dict(model="qwen3-tiny", concurrency="4", prompt_len=32, gen_len=12, repeats=2)
 # The paper model: a 64-layer, hidden-5120 Qwen (Qwen2.5-32B's shape) at TP2 in fp16.
@@ -51,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=32, help="tokens generated per request (first one by prefill)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--attention", default="auto", choices=["auto", "xla", "pallas", "pallas_interpret"])
+    p.add_argument("--attention", default="auto", choices=list(ATTENTION_IMPLS))
     p.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
     p.add_argument("--json", default=None, help="write {machine, records, paper} here")
     p.add_argument("--quick", action="store_true", help=f"smoke run (< 2 minutes on 2 cores): {QUICK}")
