@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..errors import CapacityError, ConfigError, RequestError
-from ..model.decoder import Model
+from ..errors import CapacityError, ConfigError, RequestError, SamplingError
+from ..model.decoder import Hook, Model
 from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
 from ..model.memory import check_fits, plan_memory
@@ -106,6 +106,8 @@ class Engine:
         self.penalties: Penalties | None = None
         self.slots = SlotTable(0)
         self.requests: dict[Any, BatchedRequest] = {}  # request_id -> the request prefilled in its slot
+        # hooks whose output shape was checked (`_check_hook`); held as the step functions' compile caches hold them
+        self.checked_hooks: set[Hook] = set()
         self.allocate_batch_slots(self.config.max_batch_size)
 
     # ---- slots -------------------------------------------------------------------------------------------------
@@ -164,7 +166,9 @@ class Engine:
         # Prompt logprobs need every prompt position computed, so such a request reuses no cached prefix (as vLLM);
         # its own prompt is cached as usual for the requests after it.
         reuse = req is not None and req.sampling.prompt_logprobs is None
-        alloc = self.slots.allocate(request_id, list(req.prompt_tokens) if reuse else None)
+        # A hook changes the K/V it writes, so a slot's cached prefix serves only requests with the same hook.
+        alloc = self.slots.allocate(request_id, list(req.prompt_tokens) if reuse else None,
+                                    req.sampling.hook if req is not None else None)
         if alloc.donor is not None:
             self.cache = copy_slot_prefix(self.cache, np.int32(alloc.donor), np.int32(alloc.slot),
                                           np.int32(alloc.cached))
@@ -203,6 +207,46 @@ class Engine:
         if not isinstance(req.sampling, SamplingParams):
             raise RequestError(f"request {req.request_id!r}: sampling must be a SamplingParams")
         req.sampling.validate(vocab)
+        self._check_hook(req)
+
+    def _check_hook(self, req: BatchedRequest) -> None:
+        """Trace a request's hook once (`jax.eval_shape`, no compile) on a [2, 3, hidden] stream, with the layer index
+        as the model's layout passes it; SamplingError if it raises or changes the shape or dtype, so a bad hook
+        fails its own request here instead of the batch it would join."""
+        hook = req.sampling.hook
+        if hook is None or hook in self.checked_hooks:
+            return
+        c = self.model.config
+        x = jax.ShapeDtypeStruct((2, 3, c.hidden_size), self.model.dtype)
+        try:
+            if self.model.scan_layers:
+                outs = [jax.eval_shape(hook, jax.ShapeDtypeStruct((), jnp.int32), x)]
+            else:
+                outs = jax.eval_shape(lambda h: [hook(i, h) for i in range(c.num_layers)], x)
+        except Exception as error:  # noqa: BLE001 - whatever a user's function raises belongs to its request
+            raise SamplingError(f"request {req.request_id!r}: SamplingParams.hook raised {type(error).__name__} "
+                                f"when traced on hidden {x.shape} {x.dtype}: {error}") from error
+        for out in outs:
+            if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
+                got = f"{out.shape} {out.dtype}" if hasattr(out, "shape") else type(out).__name__
+                raise SamplingError(f"request {req.request_id!r}: SamplingParams.hook must return the hidden states' "
+                                    f"shape and dtype {x.shape} {x.dtype}, got {got}")
+        self.checked_hooks.add(hook)
+
+    @staticmethod
+    def _hooks(rows: Sequence[BatchedRequest | None], size: int) -> tuple[tuple, dict[str, Any]]:
+        """The extra (positional, keyword) arguments of a forward step for its rows' hooks: none when no row has
+        one (the step then compiles exactly as without hooks), else the per-row selector int32 [size] and the
+        static tuple of distinct hooks (ordered by id, so the same set reuses its programs whatever the rows)."""
+        found = {r.sampling.hook for r in rows if r is not None and r.sampling.hook is not None}
+        if not found:
+            return (), {}
+        hooks = tuple(sorted(found, key=id))
+        selector = np.zeros(size, np.int32)
+        for i, r in enumerate(rows):
+            if r is not None and r.sampling.hook is not None:
+                selector[i] = hooks.index(r.sampling.hook) + 1
+        return (selector,), {"hooks": hooks}
 
     def _slot(self, req: BatchedRequest) -> int:
         """The slot req holds (registering req as its holder when it was allocated by id)."""
@@ -214,6 +258,7 @@ class Engine:
         if req.status is RequestStatus.WAITING:
             req.status = RequestStatus.PREFILLING
         req.slot_id = slot
+        self.slots.tags[slot] = req.sampling.hook  # (allocated by id: its K/V are written under this hook)
         return slot
 
     # ---- prefill -------------------------------------------------------------------------------------------------
@@ -275,14 +320,16 @@ class Engine:
         sampling = pack_sampling([r.sampling for r, _ in chunks], [r.seed for r, _ in chunks], pad_to=rows)
         num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r, _ in chunks) else 0
         targets, counts = self._prompt_targets(chunks, rows, width)
-        step = dict(config=self.model.config, impl=self.impl, kv_len=kv_len)
+        hook_args, hook_static = self._hooks([r for r, _ in chunks], rows)
+        step = dict(config=self.model.config, impl=self.impl, kv_len=kv_len, **hook_static)
         prompt_out = None
         if counts.any():  # only a chunk with a row that asked pays for every position's logits
             self.cache, logits, prompt_out = prefill_scored_step(
-                self.model.params, self.cache, tokens, slots, starts, lengths, targets, counts > 0,
+                self.model.params, self.cache, tokens, slots, starts, lengths, targets, counts > 0, *hook_args,
                 num_top=MAX_LOGPROBS, **step)
         else:
-            self.cache, logits = prefill_step(self.model.params, self.cache, tokens, slots, starts, lengths, **step)
+            self.cache, logits = prefill_step(self.model.params, self.cache, tokens, slots, starts, lengths,
+                                              *hook_args, **step)
         for req, n in chunks:
             self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
             req.num_prefilled += n
@@ -417,8 +464,10 @@ class Engine:
         sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in step.rows],
                                  [r.seed if r else 0 for r in step.rows])
         num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r in present) else 0
+        hook_args, hook_static = self._hooks(step.rows, len(step.rows))
         self.cache, logits = decode_step(self.model.params, self.cache, tokens, step.slots, step.positions, active,
-                                         config=self.model.config, impl=self.impl, kv_len=kv_len, dense=step.dense)
+                                         *hook_args, config=self.model.config, impl=self.impl, kv_len=kv_len,
+                                         dense=step.dense, **hook_static)
         self.penalties, step.out = sample_next(self.penalties, logits, step.slots, active, step.steps, sampling,
                                                num_top=num_top)
         for r in present:
@@ -463,6 +512,7 @@ class Engine:
         """How many call signatures the step functions hold so far (a steady workload must not add any).
 
         A decode step fed its tokens on device adds one signature per shape the first time; it reuses the executable
-        compiled for the host-fed step.
+        compiled for the host-fed step. Requests with `SamplingParams.hook` add signatures too: every distinct set of
+        hooks in a step compiles its own prefill and decode programs, which `warmup` cannot know in advance.
         """
         return sum(f._cache_size() for f in STEP_FUNCTIONS)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +71,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int = 0
     prompt_logprobs: int | None = None  # None: off; k: each prompt token's logprob and its top-k (from prefill)
+    # A pure jnp `fn(layer, hidden [B, T, H]) -> hidden` applied to this request's residual stream after each layer,
+    # in prefill and decode (`pj.logits(hook=)`'s contract), acting on each row and position on its own (it sees the
+    # whole batch, chunk by chunk). Hashed by identity: each new one compiles new engine programs (`steps.row_hooks`).
+    # Python API only: the server never sets it.
+    hook: Callable[[Any, Any], Any] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
@@ -120,6 +125,12 @@ class SamplingParams:
         k = self.prompt_logprobs
         if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
             fail("prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+        if self.hook is not None and not callable(self.hook):
+            fail("hook", "must be None or a function (layer, hidden) -> hidden")
+        try:
+            hash(self.hook)  # a static argument of the jitted steps
+        except TypeError:
+            fail("hook", "must be hashable (a function, or a frozen callable object)")
 
 
 @jax.tree_util.register_dataclass

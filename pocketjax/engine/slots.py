@@ -42,6 +42,8 @@ class SlotTable:
 
     def __init__(self, num_slots: int):
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # tokens whose K/V each slot holds
+        # what else those K/V depend on (the request's intervention hook): a prefix is shared only under the same tag
+        self.tags: list[Any] = [None] * num_slots
         self.free: list[int] = list(range(num_slots))  # least recently freed first
         self.owner: dict[Any, int] = {}  # request_id -> slot
 
@@ -51,8 +53,9 @@ class SlotTable:
     def slot_of(self, request_id: Any) -> int | None:
         return self.owner.get(request_id) if hashable(request_id) else None
 
-    def allocate(self, request_id: Any, prompt: Sequence[int] | None = None) -> Allocation:
-        """Take a free slot for request_id; with its prompt, the one (and donor) that caches most of it."""
+    def allocate(self, request_id: Any, prompt: Sequence[int] | None = None, tag: Any = None) -> Allocation:
+        """Take a free slot for request_id; with its prompt, the one (and donor) that caches most of it among the
+        slots whose K/V were computed under the same `tag`."""
         if not hashable(request_id):
             raise RequestError(f"request_id must be hashable, got {type(request_id).__name__}")
         if request_id in self.owner:
@@ -62,13 +65,17 @@ class SlotTable:
         alloc = Allocation(self.free[0], 0)
         if prompt is not None:
             usable = len(prompt) - 1  # the last prompt token is always run: it yields the first token's logits
-            matches = {s: min(common_prefix(self.tokens[s], prompt), usable) for s in self.free}
+            def shared(s: int) -> int:
+                return common_prefix(self.tokens[s], prompt) if self.tags[s] == tag else 0
+
+            matches = {s: min(shared(s), usable) for s in self.free}
             slot = max(self.free, key=lambda s: matches[s])  # max keeps the first (LRU) on ties
-            donor = max(range(len(self)), key=lambda s: common_prefix(self.tokens[s], prompt))
-            donor_len = min(common_prefix(self.tokens[donor], prompt), usable)
+            donor = max(range(len(self)), key=shared)
+            donor_len = min(shared(donor), usable)
             alloc = (Allocation(slot, donor_len, donor) if donor_len > matches[slot]
                      else Allocation(slot, max(matches[slot], 0)))
         self.tokens[alloc.slot] = list(prompt[: alloc.cached]) if prompt is not None else []
+        self.tags[alloc.slot] = tag
         self.free.remove(alloc.slot)
         self.owner[request_id] = alloc.slot
         return alloc

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..model.config import ModelConfig
-from ..model.decoder import Params, decode_forward, lm_head, prefill_forward
+from ..model.decoder import Hook, Params, decode_forward, lm_head, prefill_forward
 from ..model.kv_cache import KVCache, copy_prefix
 from .sampling import SampleOutput, SamplingArrays, sample, token_logprobs
 
@@ -57,16 +57,38 @@ class Penalties:
         return Penalties(self.prompt_mask, self.output_counts.at[slots, tokens].add(1, mode="drop"))
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "kv_len"), donate_argnames=("cache",))
-def prefill_step(params, cache: KVCache, tokens, slots, starts, lengths, *, config: ModelConfig, impl: str,
-                 kv_len: int) -> tuple[KVCache, jax.Array]:
-    """Write one prompt chunk per row into the cache; logits [B, vocab] of each row's last chunk token."""
-    return prefill_forward(params, config, impl, kv_len, cache, tokens, slots, starts, lengths)
+def row_hooks(hooks: tuple[Hook, ...], selector: jax.Array | None) -> Hook | None:
+    """One hook for a batch whose row b runs `hooks[selector[b] - 1]` (0: none); None when `hooks` is empty.
+
+    Every hook sees the whole batch and its output is kept only on its own rows, so a row without a hook gets its
+    residual stream back untouched (bit for bit) and a row's result never depends on the others' hooks, provided
+    each hook treats rows independently. A batch with no hooks passes neither argument and compiles the same
+    program as before hooks existed; each distinct `hooks` tuple (static) compiles its own programs.
+    """
+    if not hooks:
+        return None
+
+    def hook(layer, x: jax.Array) -> jax.Array:
+        out = x
+        for i, fn in enumerate(hooks, 1):
+            out = jnp.where((selector == i)[:, None, None], fn(layer, x), out)
+        return out
+
+    return hook
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "num_top"), donate_argnames=("cache",))
-def prefill_scored_step(params, cache: KVCache, tokens, slots, starts, lengths, targets, scored, *,
-                        config: ModelConfig, impl: str, kv_len: int, num_top: int
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "hooks"), donate_argnames=("cache",))
+def prefill_step(params, cache: KVCache, tokens, slots, starts, lengths, selector=None, *, config: ModelConfig,
+                 impl: str, kv_len: int, hooks: tuple[Hook, ...] = ()) -> tuple[KVCache, jax.Array]:
+    """Write one prompt chunk per row into the cache; logits [B, vocab] of each row's last chunk token.
+    `hooks` / `selector` int32 [B]: per-row intervention hooks (`row_hooks`)."""
+    return prefill_forward(params, config, impl, kv_len, cache, tokens, slots, starts, lengths,
+                           hook=row_hooks(hooks, selector))
+
+
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "num_top", "hooks"), donate_argnames=("cache",))
+def prefill_scored_step(params, cache: KVCache, tokens, slots, starts, lengths, targets, scored, selector=None, *,
+                        config: ModelConfig, impl: str, kv_len: int, num_top: int, hooks: tuple[Hook, ...] = ()
                         ) -> tuple[KVCache, jax.Array, SampleOutput]:
     """`prefill_step`, plus each position's log-probability of the token after it (`score_positions`).
 
@@ -74,7 +96,7 @@ def prefill_scored_step(params, cache: KVCache, tokens, slots, starts, lengths, 
     computes the [T, vocab] logits of every position.
     """
     cache, logits, hidden = prefill_forward(params, config, impl, kv_len, cache, tokens, slots, starts, lengths,
-                                            return_hidden=True)
+                                            return_hidden=True, hook=row_hooks(hooks, selector))
     return cache, logits, score_positions(params, hidden, targets, scored, num_top)
 
 
@@ -96,11 +118,13 @@ def score_positions(params: Params, hidden: jax.Array, targets: jax.Array, score
     return lax.map(row, (hidden, targets, scored))
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "dense"), donate_argnames=("cache",))
-def decode_step(params, cache: KVCache, tokens, slots, positions, active, *, config: ModelConfig, impl: str,
-                kv_len: int, dense: bool) -> tuple[KVCache, jax.Array]:
-    """One token per row. `dense`: row i is slot i for every slot, so attention reads the cache in place."""
-    return decode_forward(params, config, impl, kv_len, cache, tokens, slots, positions, active, dense=dense)
+@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "dense", "hooks"), donate_argnames=("cache",))
+def decode_step(params, cache: KVCache, tokens, slots, positions, active, selector=None, *, config: ModelConfig,
+                impl: str, kv_len: int, dense: bool, hooks: tuple[Hook, ...] = ()) -> tuple[KVCache, jax.Array]:
+    """One token per row. `dense`: row i is slot i for every slot, so attention reads the cache in place.
+    `hooks` / `selector`: per-row intervention hooks (`row_hooks`)."""
+    return decode_forward(params, config, impl, kv_len, cache, tokens, slots, positions, active, dense=dense,
+                          hook=row_hooks(hooks, selector))
 
 
 @partial(jax.jit, static_argnames=("num_top",), donate_argnames=("penalties",))

@@ -189,13 +189,15 @@ def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dt
 
 def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, cache: KVCache,
                     tokens: jax.Array, slots: jax.Array, starts: jax.Array, lengths: jax.Array,
-                    return_hidden: bool = False) -> tuple[KVCache, jax.Array] | tuple[KVCache, jax.Array, jax.Array]:
+                    return_hidden: bool = False, hook: Hook | None = None
+                    ) -> tuple[KVCache, jax.Array] | tuple[KVCache, jax.Array, jax.Array]:
     """Write a chunk tokens [B, T] (row b: `lengths[b]` valid tokens at `starts[b]`..) into cache rows `slots`.
 
     Returns the updated cache and the logits [B, vocab] of each row's last valid token. Attention reads cache
     positions < kv_len (a bucket covering every row's starts + lengths). Padding rows have lengths 0.
     `return_hidden` (static) also returns the final-normed hidden states [B, T, H] of every position, for prompt
     log-probabilities; a flag rather than always, so the plain step never writes them out.
+    `hook`: as in `layer_stack`, over the whole chunk (the engine's per-row selection: `steps.row_hooks`).
     """
     b, t = tokens.shape
     offsets = jnp.arange(t, dtype=jnp.int32)
@@ -207,7 +209,7 @@ def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int,
         out = layers.prefill_attention(impl, q, cache.layer(i, kv_len), starts, lengths, slots=slots, kv_len=kv_len)
         return out, cache
 
-    hidden, cache = run_layers(params, config, tokens, positions, attend, cache)
+    hidden, cache = run_layers(params, config, tokens, positions, attend, cache, hook)
     last = hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
     new_lengths = cache.lengths.at[jnp.where(lengths > 0, slots, cache.num_slots)].set(starts + lengths, mode="drop")
     out = replace(cache, lengths=new_lengths), lm_head(params, last)
@@ -216,11 +218,11 @@ def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int,
 
 def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, cache: KVCache,
                    tokens: jax.Array, slots: jax.Array, positions: jax.Array, active: jax.Array,
-                   dense: bool = False) -> tuple[KVCache, jax.Array]:
+                   dense: bool = False, hook: Hook | None = None) -> tuple[KVCache, jax.Array]:
     """One new token per row: tokens [B] at `positions` in cache rows `slots`; returns (cache, logits [B, vocab]).
 
     Inactive rows (padding) write nothing and attend to nothing. `dense` promises row i is slot i for every slot,
-    so attention reads the cache rows in place instead of gathering them.
+    so attention reads the cache rows in place instead of gathering them. `hook`: as in `layer_stack`.
     """
     write_at = jnp.where(active, positions, cache.max_seq_len)[:, None]
     lengths = jnp.where(active, positions + 1, 0)
@@ -231,7 +233,7 @@ def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, 
                                       kv_len=kv_len)
         return out[:, None], cache
 
-    hidden, cache = run_layers(params, config, tokens[:, None], positions[:, None], attend, cache)
+    hidden, cache = run_layers(params, config, tokens[:, None], positions[:, None], attend, cache, hook)
     new_lengths = cache.lengths.at[jnp.where(active, slots, cache.num_slots)].set(lengths, mode="drop")
     return replace(cache, lengths=new_lengths), lm_head(params, hidden[:, 0])
 

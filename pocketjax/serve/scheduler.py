@@ -249,6 +249,8 @@ class Scheduler:
                                f"the others), got {type(request.request_id).__name__}")
         if request.request_id in self._live:
             raise RequestError(f"request_id {request.request_id!r} is already in flight")
+        if self.group is not None and getattr(request.sampling, "hook", None) is not None:
+            raise RequestError("SamplingParams.hook cannot be sent to the other processes of a multi-process job")
         self.engine.validate(request)
         if request.sampling.stop and self.tokenizer is None:
             raise RequestError("stop strings need a Scheduler created with a tokenizer")

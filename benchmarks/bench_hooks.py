@@ -1,0 +1,112 @@
+"""What a per-request intervention hook (SamplingParams.hook) costs a decode step: no hook, a steering hook on every
+row, and the same hook on one row only (the others then run the same program, their rows selected away). Prints a
+markdown table last; `--json` writes every record.
+
+    python benchmarks/bench_hooks.py --model qwen3-tiny --concurrency 1,8 --json out.json
+    python benchmarks/bench_hooks.py --model qwen3-0.6b --concurrency 1,8 --steps 8
+
+Per concurrency c and variant: c requests are prefilled, one untimed decode step compiles the variant's program, then
+--steps calls of `Engine.batch_decode_step` (forward, sampler and the host sync) are timed one by one; the variants
+take turns for --repeats rounds, so a busy machine's drift reaches them alike. Reported: the median ms per step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.engine.request import BatchedRequest  # noqa: E402
+from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.model.decoder import load_model  # noqa: E402
+
+VARIANTS = ("no hook", "hook on every row", "hook on one row")
+
+
+def steering_hook(layer_index: int, vector: np.ndarray):
+    """Adds `vector` to the residual stream after one layer: the typical steering-vector intervention."""
+    def hook(layer, hidden):
+        return hidden + jnp.where(layer == layer_index, 1.0, 0.0).astype(hidden.dtype) * vector.astype(hidden.dtype)
+    return hook
+
+
+def time_variant(engine: Engine, variant: str, hook, c: int, prompt_len: int, steps: int, round_: int) -> list[float]:
+    """Seconds per decode step of c greedy requests, `variant` saying which rows carry the hook."""
+    rng = np.random.default_rng(round_)
+    plain = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    hooked = replace(plain, hook=hook)
+    params = [hooked if variant == "hook on every row" or (variant == "hook on one row" and i == 0) else plain
+              for i in range(c)]
+    reqs = [BatchedRequest(f"{variant}-{round_}-{i}", [int(t) for t in rng.integers(0, engine.model.config.vocab_size,
+                                                                                   prompt_len)], sp)
+            for i, sp in enumerate(params)]
+    for r in reqs:
+        engine.allocate_slot(r)
+    engine.batch_prefill(reqs)
+    engine.batch_decode_step(reqs)  # compiles the variant's program the first time: untimed
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.batch_decode_step(reqs)
+        times.append(time.perf_counter() - start)
+    for r in reqs:
+        engine.free_slot(r.request_id)
+    return times
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-tiny", help=f"HF folder or a preset: {', '.join(PRESETS)}")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--concurrency", default="1,8")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    folder = (build_preset(args.model, Path(args.cache_dir) / f"{args.model}-{args.dtype}", args.dtype)
+              if args.model in PRESETS else Path(args.model))
+    model = load_model(folder, dtype=args.dtype)
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=args.prompt_len + args.steps + 8,
+                    prefill_chunk=args.prompt_len, compile_cache_dir="off")
+    vector = np.random.default_rng(0).normal(0, 0.5, model.config.hidden_size).astype(np.float32)
+    hook = steering_hook(model.config.num_layers // 2, vector)
+    runs: dict[tuple[int, str], list[float]] = {}
+    for c in concurrency:
+        variants = VARIANTS if c > 1 else VARIANTS[:2]  # one row: "one row" is "every row"
+        for round_ in range(args.repeats):
+            for variant in variants:
+                runs.setdefault((c, variant), []).extend(
+                    time_variant(engine, variant, hook, c, args.prompt_len, args.steps, round_))
+    records = [dict(model=args.model, dtype=args.dtype, concurrency=c, variant=variant,
+                    decode_step_ms=1e3 * statistics.median(times), decode_step_ms_runs=[1e3 * t for t in times])
+               for (c, variant), times in runs.items()]
+    result = {"machine": {"backend": jax.default_backend(), "devices": str(jax.devices()),
+                          "loadavg": list(os.getloadavg())}, "records": records}
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    print("| model | c | variant | decode ms/step | x no hook |\n|---|---|---|---|---|")
+    for r in records:
+        base = next(q for q in records if q["concurrency"] == r["concurrency"] and q["variant"] == "no hook")
+        print(f"| {r['model']} | {r['concurrency']} | {r['variant']} | {r['decode_step_ms']:.2f} | "
+              f"{r['decode_step_ms'] / base['decode_step_ms']:.2f} |")
+    return result
+
+
+if __name__ == "__main__":
+    main()
