@@ -386,6 +386,9 @@ def train_tiny(out: Path, minutes: float | None, recipe: dict[str, Any], arch: d
                                        skip_special_tokens=False) for p in SAMPLE_PROMPTS}
         report = {
             "recipe": recipe, "arch": arch, "params": count_params(params), "steps": steps_done,
+            "data": {"source": f"the .py files of Python {sys.version.split()[0]}'s standard library (bpe.stdlib_files)",
+                     "train_files": len(train_texts), "held_out_files": len(held_texts),
+                     "held_out_tokens": int(held_windows.shape[0] * recipe["seq_len"])},
             "tokens_seen": steps_done * recipe["batch_size"] * recipe["seq_len"],
             "train_tokens_per_epoch": int(train_tokens), "train_seconds": round(train_s, 1),
             "final_train_loss": history[-1]["loss"], "held_out_loss": held_loss,
