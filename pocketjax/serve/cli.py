@@ -82,8 +82,12 @@ def follows(llm) -> bool:
 def make_llm(args: argparse.Namespace):
     from .llm import LLM
     return LLM(args.model, engine_config(args), dtype=args.dtype, tp=args.tp, quantize=args.quantize,
-               revision=args.revision, warmup=args.warmup,
-               scan_layers={"on": True, "off": False}.get(args.scan_layers, args.scan_layers))
+               revision=args.revision, warmup=args.warmup, scan_layers=scan_layers(args))
+
+
+def scan_layers(args: argparse.Namespace) -> bool | str:
+    """--scan-layers auto|on|off as load_model's scan_layers."""
+    return {"on": True, "off": False}.get(args.scan_layers, args.scan_layers)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -173,13 +177,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     from ..model.memory import per_device_bytes, plan_memory
     from .llm import DEFAULT_MODEL
     model = load_model(args.model or DEFAULT_MODEL, dtype=args.dtype, tp=args.tp, quantize=args.quantize,
-                       revision=args.revision)
+                       revision=args.revision, scan_layers=scan_layers(args))
     config = engine_config(args)
     c = model.config
     info = {
         "path": model.path, "model_type": c.model_type, "layers": c.num_layers, "hidden": c.hidden_size,
         "heads": c.num_heads, "kv_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab": c.vocab_size,
         "parameters": c.num_params(), "dtype": str(model.dtype), "rope": c.rope.rope_type,
+        "scan_layers": model.scan_layers,
         "devices": [str(d) for d in jax.devices()],
         "attention": resolve_impl(config.attention_impl, config.kv_dtype),
         "placed_bytes": {str(d): n for d, n in per_device_bytes(model.params).items()},
