@@ -33,7 +33,7 @@ from pocketjax.nnx import Decoder
 from pocketjax.serve.llm import DEFAULT_MODEL
 from pocketjax.serve.tokenizer import Tokenizer
 from pocketjax.training import finetune as ft
-from pocketjax.training.train import evaluate
+from pocketjax.training.evaluation import evaluate
 
 TARGETS = ("q", "v", "o", "up", "down")
 

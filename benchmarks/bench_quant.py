@@ -69,7 +69,7 @@ def eval_tokens(folder: Path, config, seqs: int, length: int) -> tuple[np.ndarra
     if (folder / "tokenizer.json").exists():  # the embedded model's own held-out split (every 50th stdlib file)
         from pocketjax.training.bpe import PAD_TOKEN, split_holdout, stdlib_corpus
         from pocketjax.serve.tokenizer import Tokenizer
-        from pocketjax.training.train import encode_windows
+        from pocketjax.training.data import encode_windows
         tokenizer = Tokenizer.from_folder(folder)
         held = split_holdout(stdlib_corpus(), every=50)[1]
         windows = encode_windows(tokenizer, held, tokenizer.token_id(PAD_TOKEN), length - 1)

@@ -138,7 +138,8 @@ def test_bad_adapters_raise_typed_errors(peft_adapters, hf_checkpoint, tmp_path)
 
 def test_finetune_lowers_the_loss_and_serves_merged(hf_checkpoint):
     from pocketjax.training.finetune import finetune, token_windows
-    from pocketjax.training.train import evaluate, greedy
+    from pocketjax.training.evaluation import evaluate
+    from pocketjax.training.train import greedy
 
     model = pj.load_model(hf_checkpoint("qwen3_kv1"))
     rng = np.random.default_rng(0)

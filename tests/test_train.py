@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import pocketjax as pj
-from pocketjax.training import train
+from pocketjax.training import data, evaluation, train
 from pocketjax.model.checkpoint import SafetensorsFile
 from pocketjax.model.config import ModelConfig
 from pocketjax.errors import ConfigError, RequestError
@@ -112,14 +112,14 @@ def test_training_decreases_loss():
     assert [h["step"] for h in history] == [10, 20, 30, 40]
     assert all(np.isfinite(h["loss"]) for h in history)
     assert history[-1]["loss"] < history[0]["loss"] - 0.5
-    assert train.evaluate(params, config, progressions(8, 5000), batch_size=2) < math.log(VOCAB) - 1.0
+    assert evaluation.evaluate(params, config, progressions(8, 5000), batch_size=2) < math.log(VOCAB) - 1.0
 
 
 def test_training_is_reproducible_and_leaves_its_input():
     _, config = tiny()
     windows = progressions(32, 7)
     start = random_params(config)
-    runs = [train.train(config, train.shuffled_batches(windows, 8, seed=3), steps=3, lr=1e-2, warmup=2,
+    runs = [train.train(config, data.shuffled_batches(windows, 8, seed=3), steps=3, lr=1e-2, warmup=2,
                         params=start, log=None)[0] for _ in range(2)]
     for a, b in zip(jax.tree.leaves(runs[0]), jax.tree.leaves(runs[1])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -127,9 +127,9 @@ def test_training_is_reproducible_and_leaves_its_input():
 
 
 def test_pack_overlaps_rows_by_one_token():
-    rows = train.pack([[1, 2, 3], [4, 5]], separator=0, seq_len=2)
+    rows = data.pack([[1, 2, 3], [4, 5]], separator=0, seq_len=2)
     np.testing.assert_array_equal(rows, [[1, 2, 3], [3, 0, 4], [4, 5, 0]])
-    assert train.pack([[1]], separator=0, seq_len=4).shape == (0, 5)
+    assert data.pack([[1]], separator=0, seq_len=4).shape == (0, 5)
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -23,6 +23,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
+from ..model.config import ModelConfig
+from ..model.decoder import Params, next_token_loss
+from .data import encode_windows
+
 NUM_HEADERS = 50
 MAX_NEW_TOKENS = 48
 _BLANK_LINE = re.compile(r"\n[ \t]*\n")
@@ -74,6 +81,16 @@ def parse_rate(llm: Any, headers: Sequence[str], max_new_tokens: int = MAX_NEW_T
     return {"parse_rate": sum(c["parses"] for c in cases) / len(cases), "cases": cases}
 
 
+def evaluate(params: Params, config: ModelConfig, windows: np.ndarray, batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy over `windows` [N, T] (full batches only, so one shape compiles)."""
+    n = len(windows) - len(windows) % batch_size
+    if n == 0:
+        raise ValueError(f"{len(windows)} windows cannot fill a batch of {batch_size}")
+    values = [next_token_loss(params, config, jnp.asarray(windows[j:j + batch_size]))
+              for j in range(0, n, batch_size)]
+    return float(jnp.mean(jnp.stack(values)))
+
+
 def held_out_loss(model_dir: str | Path, holdout_every: int, seq_len: int, batch_size: int = 1) -> float:
     """Mean next-token cross-entropy of the model in `model_dir` over the held-out stdlib files (float32).
 
@@ -82,7 +99,6 @@ def held_out_loss(model_dir: str | Path, holdout_every: int, seq_len: int, batch
     from ..model.decoder import load_model
     from ..serve.tokenizer import Tokenizer
     from .bpe import PAD_TOKEN, split_holdout, stdlib_corpus
-    from .train import encode_windows, evaluate
 
     tokenizer = Tokenizer.from_folder(model_dir)
     _, held = split_holdout(stdlib_corpus(), every=holdout_every)

@@ -8,7 +8,7 @@ lora=ADAPTER_DIR)` merges and `peft.PeftModel.from_pretrained` opens. The Python
 The trainable set is chosen by type on the NNX view (`nnx.split(view, nnx.LoRAParam, ...)`) and the step is a plain
 jitted function of (adapters, optimizer state, frozen state, tokens), both donated: the same filter trains whatever
 adapters a `pocketjax.nnx.Decoder` holds, and no base Param can reach the gradient. The optimizer, schedule and
-data packing are the embedded-model trainer's (`train.adam_direction`, `lr_schedule`, `pack`, `encode_windows`).
+data packing are the embedded-model trainer's (`train.adam_direction`, `lr_schedule`; `data.pack`, `encode_windows`).
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ from ..model.lora import TARGETS, LoraConfig, write_adapter
 from ..nnx import Decoder
 from ..serve.llm import DEFAULT_MODEL
 from ..serve.tokenizer import Tokenizer
-from .train import Log, adam_direction, encode_windows, lr_schedule, pack, shuffled_batches
+from .data import encode_windows, pack, shuffled_batches
+from .train import Log, adam_direction, lr_schedule
 
 
 def token_windows(model: Model, data: Any, seq_len: int, tokenizer: Tokenizer | None = None) -> np.ndarray:

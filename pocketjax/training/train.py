@@ -21,9 +21,8 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,9 @@ import optax
 
 from ..model.checkpoint import nest, param_tensors, write_safetensors
 from ..model.config import ModelConfig
-from ..model.decoder import Params, forward_logits, loss, next_token_loss
+from ..model.decoder import Params, forward_logits, loss
+from .data import encode_windows, shuffled_batches
+from .evaluation import evaluate, evaluate_model
 
 # The embedded model's recipe, sized by measurement: two idle CPU cores train ~5,000 tokens/s at this size and
 # batch 8 (one shared core at batch 4: ~700), so ~30 minutes buy 8.2M tokens, 2.3 passes over the 3.5M-token
@@ -182,49 +183,6 @@ def train(config: ModelConfig, batches: Iterable[np.ndarray], steps: int, lr: fl
                 log(f"stopped at step {i} of {steps}: past 110% of the {minutes} minute budget")
             break
     return params, history
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Data
-
-
-def pack(docs: Iterable[Sequence[int]], separator: int, seq_len: int) -> np.ndarray:
-    """Documents joined by `separator` (each one followed by it), cut into rows int32 [N, seq_len + 1].
-
-    Consecutive rows overlap by one token, so every token of the stream is a target exactly once; the tail that
-    does not fill a row is dropped.
-    """
-    stream = np.fromiter(chain.from_iterable(chain(d, (separator,)) for d in docs), dtype=np.int32)
-    rows = max((len(stream) - 1) // seq_len, 0)
-    index = np.arange(rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    return stream[index] if rows else np.zeros((0, seq_len + 1), np.int32)
-
-
-def encode_windows(tokenizer: Any, texts: Sequence[str], separator: int, seq_len: int) -> np.ndarray:
-    """`texts` tokenized (a pocketjax Tokenizer, batch-encoded by its backend) and packed by `pack`."""
-    encodings = tokenizer.backend.encode_batch(list(texts), add_special_tokens=False)
-    return pack((e.ids for e in encodings), separator, seq_len)
-
-
-def shuffled_batches(windows: np.ndarray, batch_size: int, seed: int) -> Iterator[np.ndarray]:
-    """Endless batches [batch_size, T] of `windows`, reshuffled every epoch by a seeded generator."""
-    if len(windows) < batch_size:
-        raise ValueError(f"{len(windows)} windows cannot fill a batch of {batch_size}")
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(len(windows))
-        for j in range(0, len(order) - batch_size + 1, batch_size):
-            yield windows[order[j:j + batch_size]]
-
-
-def evaluate(params: Params, config: ModelConfig, windows: np.ndarray, batch_size: int = 8) -> float:
-    """Mean next-token cross-entropy over `windows` [N, T] (full batches only, so one shape compiles)."""
-    n = len(windows) - len(windows) % batch_size
-    if n == 0:
-        raise ValueError(f"{len(windows)} windows cannot fill a batch of {batch_size}")
-    values = [next_token_loss(params, config, jnp.asarray(windows[j:j + batch_size]))
-              for j in range(0, n, batch_size)]
-    return float(jnp.mean(jnp.stack(values)))
 
 
 def greedy(params: Params, config: ModelConfig, prompt: Sequence[int], max_new_tokens: int,
@@ -397,7 +355,6 @@ def train_tiny(out: Path, minutes: float | None, recipe: dict[str, Any], arch: d
             "jax_version": jax.__version__, "history": history,
         }
         save_checkpoint(params, config_dict, out, tokenizer_dir=tmp)
-    from .evaluation import evaluate_model
     report["evaluation"] = evaluate_model(out, recipe["holdout_every"], recipe["seq_len"])
     write_json(out / "train_report.json", report)
     (out / "README.md").write_text(model_card(out.name, report), encoding="utf-8")
