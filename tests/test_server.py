@@ -164,7 +164,9 @@ def test_concurrent_clients_match_requests_run_alone(llm, client):
         outs = list(pool.map(ask, jobs))
     for out, ref in zip(outs, alone):
         assert out.text == ref.text and len(out.logprobs.tokens) == len(ref.token_ids)
-        np.testing.assert_allclose(out.logprobs.token_logprobs, [lp for lp, _ in ref.logprobs], atol=1e-5)
+        # Batched and alone run different product shapes (batch and length buckets), so float32 logits of
+        # magnitude ~20 differ by a few ulps: 1.1e-5 measured once on a fresh clone. Tokens must match exactly.
+        np.testing.assert_allclose(out.logprobs.token_logprobs, [lp for lp, _ in ref.logprobs], atol=1e-4)
     assert llm.engine.num_free_slots == SLOTS
 
 
