@@ -26,7 +26,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from benchmarks.bench_engine import model_folder  # noqa: E402
+from benchmarks.presets import PRESETS  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams  # noqa: E402
@@ -77,9 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    folder = (build_preset(args.model, Path(args.cache_dir) / f"{args.model}-{args.dtype}", args.dtype)
-              if args.model in PRESETS else Path(args.model))
-    model = load_model(folder, dtype=args.dtype)
+    model = load_model(model_folder(args), dtype=args.dtype)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=args.prompt_len + args.steps + 8,
                     prefill_chunk=args.prompt_len, compile_cache_dir="off")

@@ -23,7 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from benchmarks.bench_engine import model_folder  # noqa: E402
+from benchmarks.presets import PRESETS  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.sampling import MAX_LOGPROBS  # noqa: E402
 from pocketjax.engine.steps import prefill_scored_step, prefill_step  # noqa: E402
@@ -64,9 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
-    folder = (build_preset(args.model, Path(args.cache_dir) / f"{args.model}-{args.dtype}", args.dtype)
-              if args.model in PRESETS else Path(args.model))
-    model = load_model(folder, dtype=args.dtype)
+    model = load_model(model_folder(args), dtype=args.dtype)
     concurrency = [int(c) for c in args.concurrency.split(",")]
     engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=2 * args.prompt_len,
                     prefill_chunk=args.prompt_len, compile_cache_dir="off")
