@@ -78,7 +78,11 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--peers", default=default("transformers"),
                    help="comma-separated: transformers, llamacpp ('' for none)")
     p.add_argument("--gguf", default=default(None),
-                   help="GGUF file for the llama.cpp peer (default: <model>/model-<dtype>.gguf)")
+                   help="GGUF file for the llama.cpp peer's --dtype rows (default: <model>/model-<dtype>.gguf)")
+    p.add_argument("--gguf-types", default=default(""),
+                   help="comma-separated encodings the llama.cpp peer runs, each its own rows, converted once to "
+                        "<model>/model-<type>.gguf (float32, float16, bfloat16, q8_0; empty: --dtype, plus q8_0 when "
+                        "--quantize has an int8 mode)")
     p.add_argument("--threads", type=int, default=default(0), help="peer threads (0: the CPUs this process may use)")
     p.add_argument("--cache-dir", default=default(DEFAULT_CACHE_DIR), help="where presets are built")
     p.add_argument("--json", default=default(None), help="write {machine, records} here")
@@ -109,6 +113,8 @@ def resolve_args(args: argparse.Namespace | dict | None = None, **kwargs) -> Sim
     out["peers"] = parse_names(out["peers"])
     out["load_dtypes"] = parse_names(out["load_dtypes"]) or [out["dtype"]]
     out["quantize"] = [None if q == "none" else q for q in parse_names(out["quantize"])] or [None]
+    out["gguf_types"] = parse_names(out["gguf_types"]) or (
+        [out["dtype"]] + (["q8_0"] if any(q and q.startswith("int8") for q in out["quantize"]) else []))
     unknown = [p for p in out["peers"] if p not in PEERS]
     if unknown:
         raise SystemExit(f"unknown peer(s) {unknown}: choose from {', '.join(PEERS)}")
@@ -470,37 +476,40 @@ def bench_transformers(folder: Path, args: SimpleNamespace, vocab: int) -> list[
     return records
 
 
-def gguf_path(folder: Path, args: SimpleNamespace) -> Path:
-    return Path(args.gguf) if args.gguf else folder / f"model-{args.dtype}.gguf"
+def gguf_path(folder: Path, args: SimpleNamespace, kind: str) -> Path:
+    return Path(args.gguf) if args.gguf and kind == args.dtype else folder / f"model-{kind}.gguf"
 
 
 def bench_llamacpp(folder: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
-    """llama.cpp through llama-cpp-python's low-level API: one llama_decode per step over c sequences.
+    """llama.cpp through llama-cpp-python's low-level API: one llama_decode per step over c sequences, once per GGUF
+    encoding in args.gguf_types (q8_0 rows carry quantize="q8_0").
 
-    Returns [] after printing one skip line when the package or the GGUF is missing (README: install, convert).
+    Skips (one printed line each) when the package is missing or a GGUF can neither be found nor converted.
     """
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
         print("llamacpp: skipped: llama-cpp-python is not installed (see benchmarks/README.md)", flush=True)
         return []
-    path = gguf_path(folder, args)
-    if not path.exists():
+    records = []
+    for kind in args.gguf_types:
+        path = gguf_path(folder, args, kind)
+        if not path.exists():
+            try:
+                from benchmarks.presets import write_gguf
+                write_gguf(folder, path, kind)
+            except Exception as e:  # noqa: BLE001 - any conversion failure is a skip, with its reason
+                print(f"llamacpp {kind}: skipped: no GGUF at {path} and converting failed ({type(e).__name__}: {e}); "
+                      f"see benchmarks/README.md", flush=True)
+                continue
         try:
-            from benchmarks.presets import write_gguf
-            write_gguf(folder, path, args.dtype)
-        except Exception as e:  # noqa: BLE001 - any conversion failure is a skip, with its reason
-            print(f"llamacpp: skipped: no GGUF at {path} and converting failed ({type(e).__name__}: {e}); "
-                  f"see benchmarks/README.md", flush=True)
-            return []
-    try:
-        return run_llamacpp(path, args, vocab)
-    except Exception as e:  # noqa: BLE001
-        print(f"llamacpp: skipped: {type(e).__name__}: {e}", flush=True)
-        return []
+            records += run_llamacpp(path, args, vocab, kind)
+        except Exception as e:  # noqa: BLE001
+            print(f"llamacpp {kind}: skipped: {type(e).__name__}: {e}", flush=True)
+    return records
 
 
-def run_llamacpp(path: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
+def run_llamacpp(path: Path, args: SimpleNamespace, vocab: int, kind: str) -> list[dict]:
     import llama_cpp as L
 
     L.llama_backend_init()
@@ -568,13 +577,15 @@ def run_llamacpp(path: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
         L.llama_free(ctx)
         prefills, decodes = [p for p, _ in runs], [d for _, d in runs]
         n_steps = args.gen_len - 1
-        rec = {"system": "llamacpp", "dtype": args.dtype, "concurrency": c,
+        quantized = kind not in ("float32", "float16", "bfloat16")
+        rec = {"system": "llamacpp", "dtype": args.dtype if quantized else kind, "concurrency": c,
+               "quantize": kind if quantized else None,
                "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
                "decode_tok_s": c * n_steps / float(np.median(decodes)),
                "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
                "prefill_s_runs": prefills, "decode_s_runs": decodes, "threads": threads, "gguf": str(path)}
         records.append(rec)
-        print(f"llamacpp c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s",
+        print(f"llamacpp {kind} c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s",
               flush=True)
     free_model = getattr(L, "llama_model_free", None) or L.llama_free_model
     free_model(model)
@@ -651,11 +662,12 @@ def summary_lines(result: dict) -> list[str]:
     m, p = result["machine"], result["machine"]["peaks"]
     out = [f"machine: {m['cpu']}, {m['usable_cores']} usable cores, jax {m['jax']} ({m['jax_backend']}), "
            f"torch {m['torch']}, loadavg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}",
-           f"peaks: copy bandwidth {p['bandwidth_bytes_s'] / 1e9:.2f} GB/s (numpy {p['numpy_copy_bytes_s'] / 1e9:.2f}, "
-           f"jax {p['jax_copy_bytes_s'] / 1e9:.2f}), matmul {p['matmul_flop_s'] / 1e9:.1f} GFLOP/s "
-           f"({p['matmul_dtype']}, n={p['matmul_n']})"]
+           f"peaks: read bandwidth {p['bandwidth_bytes_s'] / 1e9:.2f} GB/s (start "
+           f"{m['peaks_start']['bandwidth_bytes_s'] / 1e9:.2f}, end {m['peaks_end']['bandwidth_bytes_s'] / 1e9:.2f}: "
+           f"spread {100 * m['bandwidth_spread']:.1f}%; copy {p['copy_bytes_s'] / 1e9:.2f}), matmul "
+           f"{p['matmul_flop_s'] / 1e9:.1f} GFLOP/s ({p['matmul_dtype']}, n={p['matmul_n']})"]
     c1 = next((r for r in result["records"] if r["system"] == "pocketjax" and r["concurrency"] == 1), None)
-    if c1 and "decode_bytes_per_step" in c1:
+    if c1 and c1.get("decode_bytes_per_step"):  # (None for quantized weights)
         out.append(f"batch-1 decode reads {c1['decode_bytes_per_step'] / 1e6:.1f} MB/step -> bound "
                    f"{c1['bandwidth_bound_tok_s']:.1f} tok/s; pocketjax reaches {c1['pct_bandwidth_roofline']:.1f}% "
                    f"({c1['achieved_decode_gb_s']:.2f} GB/s)")
@@ -711,7 +723,7 @@ def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> di
     print(f"bench: {args.model} ({folder}) {args.dtype}, concurrency {args.concurrency}, prompt {args.prompt_len}, "
           f"gen {args.gen_len}, {args.repeats} repeats, max_seq_len {args.max_seq_len}", flush=True)
     t0 = time.perf_counter()
-    measure = partial(roofline.measure_peaks, args.dtype, copy_bytes=(64 << 20) if args.quick else (256 << 20),
+    measure = partial(roofline.measure_peaks, args.dtype, probe_bytes=(256 << 20) if args.quick else (1 << 30),
                       matmul_n=1024 if args.quick else 2048)
     peaks = measure()
     machine = machine_info(args, peaks)
@@ -734,6 +746,7 @@ def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> di
     t0 = time.perf_counter()
     end_peaks = measure()  # again at the end: the best of the two counts (neighbours only ever lower a peak)
     machine["peaks_start"], machine["peaks_end"] = asdict(peaks), asdict(end_peaks)
+    machine["bandwidth_spread"] = roofline.spread(peaks, end_peaks)
     peaks = roofline.best_of(peaks, end_peaks)
     machine["peaks"] = asdict(peaks)
     phases["peaks"] += time.perf_counter() - t0

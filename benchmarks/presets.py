@@ -77,6 +77,10 @@ def gguf_tensor_name(hf_name: str) -> str:
 def write_gguf(folder: str | Path, out: str | Path, dtype: str = "float32") -> Path:
     """Write an HF Qwen2/Qwen3 folder's weights as a GGUF file for llama.cpp (needs the `gguf` package).
 
+    dtype: "float32", "float16", "bfloat16", or "q8_0" (every matrix, embedding and lm_head included, in llama.cpp's
+    8-bit blocks of 32 with one float16 scale each, quantized by gguf's own reference `quants.quantize`, as
+    llama-quantize / convert_hf_to_gguf.py --outtype q8_0 write them).
+
     For checkpoints without a tokenizer (the presets): the vocabulary is declared "no_vocab" with the model's size,
     which llama.cpp accepts for token-id input. Matrices keep their HF [out, in] layout (GGUF lists dims reversed,
     as llama.cpp expects) and Qwen's NEOX RoPE needs no Q/K permutation; 1-D norms are stored float32, as
@@ -102,12 +106,15 @@ def write_gguf(folder: str | Path, out: str | Path, dtype: str = "float32") -> P
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_tokenizer_model("no_vocab")
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
-                 "bfloat16": gguf.LlamaFileType.MOSTLY_BF16}[dtype]
+                 "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     writer.add_file_type(file_type)
     for name, file in open_checkpoint(folder).items():
         array, raw = file.tensor(name), None
         if array.ndim == 1 or dtype == "float32":
             array = array.astype(np.float32)
+        elif dtype == "q8_0":
+            raw = gguf.GGMLQuantizationType.Q8_0
+            array = gguf.quants.quantize(array.astype(np.float32), raw)
         elif dtype == "float16":
             array = array.astype(np.float16)
         else:

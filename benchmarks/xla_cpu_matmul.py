@@ -1,12 +1,26 @@
-"""Which formulation of a decode-step matmul XLA:CPU runs well: evidence for the engine's weight layout and flags.
+"""Which formulation of a decode-step product XLA:CPU runs well: the evidence behind `layers.linear`,
+`quant.int8_product`, the int4 packing and the XLA attention path.
 
 A decode step is a handful of [B, K] x [K, N] products per layer with B = active requests (1..8) and weights far
-larger than activations, so it should be memory bound: time ~ weight bytes / bandwidth, nearly flat in B. XLA:CPU's
-default dot emitter is not (the issue measured [8,1024]x[1024,3072] at ~4x the batch-1 time). Each XLA flag set runs
-in its own subprocess (flags are read once per process); within one, every formulation is timed as the minimum of
-many runs, interleaved, so a noisy shared machine biases them all alike.
+larger than activations, so it should be memory bound: time ~ weight bytes / bandwidth, nearly flat in B. Each call
+here multiplies one activation by 16 distinct weights (or attends over 28 layers' caches), summed, so the weights come
+from memory as in a decode step, not from cache. Each suite x XLA flag set runs in its own subprocess (flags are read
+once per process); within one, every formulation is timed as the minimum of many interleaved runs, so a noisy
+shared machine biases them all alike.
 
-    python benchmarks/xla_cpu_matmul.py --json out.json
+Suites:
+- float: float32 weights, HF's [out, in] layout as `w @ x.T` (barrier, then transposed: what `linear` does up to
+  SKINNY_ROWS rows), as `x @ w.T`, and a pre-transposed [in, out] copy as `x @ W`; fused q/k/v and gate/up beside
+  the separate products (a candidate lever: measured, not adopted).
+- int8: s8 x s8 -> s32 products (activations quantized per row, 1 row padded to 2) with the weight [out, in] as the
+  left operand (`int8_product`), [out, in] on the right, and [in, out] on the right (the layout before).
+- int4: group-wise int4 [out, in/2] dequantized in the step, packed as pairs (j, j + group/2) per group (what
+  `pack_int4` stores) or as interleaved neighbours (2c, 2c + 1), then x @ w.T; and the integer form (per-group
+  s8 dots).
+- attention: decode QK^T over an f32 cache [slots, kv_heads, T, D] as q @ K^T (einsum), as K @ q^T (the cache as the
+  row-major left operand, barrier, transposed: what the XLA path does on CPU), and P @ V.
+
+    python benchmarks/xla_cpu_matmul.py [--suites float,int8,int4,attention] [--flags default,...] [--json out.json]
 """
 from __future__ import annotations
 
@@ -19,80 +33,217 @@ import time
 
 FLAG_SETS = {
     "default": "",
-    "xnn_dot": "--xla_cpu_experimental_xnn_fusion_type=dot",
-    "ynn_dot": "--xla_cpu_experimental_ynn_fusion_type=dot",
-    "onednn": "--xla_cpu_use_onednn=true",
-    "single_thread": "--xla_cpu_multi_thread_eigen=false",
+    "no_ynn": "--xla_cpu_experimental_ynn_fusion_type=",
+    "xnn_dot": "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_experimental_xnn_fusion_type=dot",
+    "onednn": "--xla_cpu_experimental_ynn_fusion_type= --xla_cpu_use_onednn=true",
 }
-SHAPES = {"qwen3-0.6b mlp up": (1024, 3072), "qwen3-0.6b mlp down": (3072, 1024), "qwen3-0.6b q": (1024, 2048)}
+SHAPES = {"gate/up [3072, 1024]": (3072, 1024), "down [1024, 3072]": (1024, 3072), "q [2048, 1024]": (2048, 1024)}
+FUSED = {"q+k+v": (2048, 1024, 1024), "gate+up": (3072, 3072)}
 BATCHES = (1, 2, 4, 8)
+WEIGHTS = 16  # distinct weights per timed call
+GROUP = 128
 
 
-def child(reps: int) -> dict:
+def best_of(fns: dict, args: dict, reps: int) -> dict[str, float]:
+    """Seconds per call: the minimum over `reps` interleaved rounds, after one compiling call each."""
+    import jax
+
+    for name, fn in fns.items():
+        jax.block_until_ready(fn(*args[name]))
+    best = {name: float("inf") for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args[name]))
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def summed(product):
+    """A jitted sum of `product(x, *w)` over a list of weight tuples: one call reads every weight once."""
+    import jax
+
+    return jax.jit(lambda x, ws: sum(product(x, *w).sum() for w in ws))
+
+
+def suite_float(rng, reps: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    formulations = {
-        "x@W[in,out]": (lambda x, w: x @ w, False),
-        "(W[out,in]@x.T).T": (lambda x, w: (w @ x.T).T, True),
-        "einsum bk,nk": (lambda x, w: jnp.einsum("bk,nk->bn", x, w), True),
-    }
-    rng = np.random.default_rng(0)
-    results = {}
-    for shape_name, (k, n) in SHAPES.items():
-        w_in_out = jnp.asarray(rng.standard_normal((k, n), dtype=np.float32))
-        w_out_in = jnp.asarray(np.ascontiguousarray(np.asarray(w_in_out).T))
+    barrier = jax.lax.optimization_barrier
+    forms = {"w @ x.T (barrier, transposed)": lambda x, w: barrier(w @ x.T).T, "x @ w.T": lambda x, w: x @ w.T}
+    out = []
+    for shape_name, (n, k) in SHAPES.items():
+        ws = [(jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)),) for _ in range(WEIGHTS)]
+        ws_t = [(jnp.asarray(np.ascontiguousarray(np.asarray(w).T)),) for (w,) in ws]
+        fns = {name: summed(f) for name, f in forms.items()} | {"x @ W[in, out]": summed(lambda x, w: x @ w)}
         for b in BATCHES:
             x = jnp.asarray(rng.standard_normal((b, k), dtype=np.float32))
-            fns = {name: (jax.jit(f), w_out_in if t else w_in_out) for name, (f, t) in formulations.items()}
-            best = {name: float("inf") for name in fns}
-            for name, (f, w) in fns.items():
-                jax.block_until_ready(f(x, w))
-            for _ in range(reps):
-                for name, (f, w) in fns.items():
-                    t = time.perf_counter()
-                    jax.block_until_ready(f(x, w))
-                    best[name] = min(best[name], time.perf_counter() - t)
-            for name, seconds in best.items():
-                results[f"{shape_name}|{b}|{name}"] = seconds
-    return results
+            args = {name: (x, ws_t if name == "x @ W[in, out]" else ws) for name in fns}
+            for name, s in best_of(fns, args, reps).items():
+                out.append({"suite": "float", "shape": shape_name, "batch": b, "form": name, "ms": 1e3 * s / WEIGHTS,
+                            "GB_s": n * k * 4 * WEIGHTS / s / 1e9})
+        del ws, ws_t
+    for fused_name, sizes in FUSED.items():
+        k = 1024
+        parts = [[jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)) for n in sizes] for _ in range(WEIGHTS)]
+        whole = [(jnp.concatenate(p),) for p in parts]
+        product = forms["w @ x.T (barrier, transposed)"]
+        fns = {"separate": summed(lambda x, *ws: sum(product(x, w).sum() for w in ws)), "fused": summed(product)}
+        for b in BATCHES:
+            x = jnp.asarray(rng.standard_normal((b, k), dtype=np.float32))
+            for name, s in best_of(fns, {"separate": (x, parts), "fused": (x, whole)}, reps).items():
+                out.append({"suite": "float", "shape": fused_name, "batch": b, "form": name,
+                            "ms": 1e3 * s / WEIGHTS, "GB_s": sum(sizes) * k * 4 * WEIGHTS / s / 1e9})
+    return out
+
+
+def suite_int8(rng, reps: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    barrier = jax.lax.optimization_barrier
+    s32 = dict(preferred_element_type=jnp.int32)
+
+    def pad(x):
+        return jnp.pad(x, ((0, 1), (0, 0))) if x.shape[0] == 1 else x
+
+    nk, kn = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))
+    forms = {  # name: (product, weight stored [in, out])
+        "W[out, in] @ xq.T (barrier, transposed)": (
+            lambda x, w: barrier(jax.lax.dot_general(w, pad(x), nk, **s32)).T[:x.shape[0]], False),
+        "xq @ W[out, in].T": (lambda x, w: jax.lax.dot_general(pad(x), w, nk, **s32)[:x.shape[0]], False),
+        "xq @ W[in, out]": (lambda x, w: jax.lax.dot_general(pad(x), w, kn, **s32)[:x.shape[0]], True),
+    }
+    out = []
+    for shape_name, (n, k) in SHAPES.items():
+        ws = [(jnp.asarray(rng.integers(-127, 128, (n, k), dtype=np.int8)),) for _ in range(WEIGHTS)]
+        ws_t = [(jnp.asarray(np.ascontiguousarray(np.asarray(w).T)),) for (w,) in ws]
+        fns = {name: summed(f) for name, (f, _) in forms.items()}
+        for b in BATCHES:
+            x = jnp.asarray(rng.integers(-127, 128, (b, k), dtype=np.int8))
+            args = {name: (x, ws_t if t else ws) for name, (_, t) in forms.items()}
+            for name, s in best_of(fns, args, reps).items():
+                out.append({"suite": "int8", "shape": shape_name, "batch": b, "form": name, "ms": 1e3 * s / WEIGHTS,
+                            "GB_s": n * k * WEIGHTS / s / 1e9})
+    return out
+
+
+def suite_int4(rng, reps: int) -> list[dict]:
+    import jax.numpy as jnp
+    import numpy as np
+
+    n, k = SHAPES["gate/up [3072, 1024]"]
+    groups = k // GROUP
+
+    def scaled(q, zero, scale):
+        q = q.astype(jnp.float32).reshape(n, groups, GROUP)
+        return ((q - zero[..., None].astype(jnp.float32)) * scale[..., None]).reshape(n, k)
+
+    def half_pairs(x, p, zero, scale):  # pack_int4: byte j of a group holds columns j and j + GROUP/2
+        g = p.reshape(n, groups, GROUP // 2)
+        return jnp.einsum("bk,nk->bn", x, scaled(jnp.concatenate([g & 15, g >> 4], -1), zero, scale))
+
+    def neighbours(x, p, zero, scale):  # byte c holds columns 2c and 2c + 1
+        return jnp.einsum("bk,nk->bn", x, scaled(jnp.stack([p & 15, p >> 4], -1).reshape(n, k), zero, scale))
+
+    def integer(x, p, zero, scale):  # per-group s8 dots (x quantized per row), zero and scales applied after
+        rows = x.shape[0]
+        x = jnp.pad(x, ((0, max(0, 2 - rows)), (0, 0)))  # 1 row falls off the fast integer dot
+        sx = jnp.maximum(jnp.max(jnp.abs(x), -1, keepdims=True), 1e-30) / 127
+        xg = jnp.round(x / sx).astype(jnp.int8).reshape(x.shape[0], groups, GROUP)
+        g = p.reshape(n, groups, GROUP // 2)
+        w = jnp.concatenate([g & 15, g >> 4], -1).astype(jnp.int8)  # [n, groups, GROUP]
+        acc = jnp.einsum("ngk,bgk->bng", w, xg, preferred_element_type=jnp.int32).astype(jnp.float32)
+        acc = acc - zero[None].astype(jnp.float32) * xg.astype(jnp.float32).sum(-1)[:, None, :]
+        return (jnp.einsum("bng,ng->bn", acc, scale) * sx)[:rows]
+
+    ws = [(jnp.asarray(rng.integers(0, 256, (n, k // 2), dtype=np.uint8)),
+           jnp.asarray(rng.integers(0, 16, (n, groups), dtype=np.int8)),
+           jnp.asarray(rng.random((n, groups), dtype=np.float32))) for _ in range(WEIGHTS)]
+    wf = [(jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)),) for _ in range(WEIGHTS)]
+    fns = {"packed pairs (j, j + group/2), dequantized": summed(half_pairs),
+           "packed neighbours (2c, 2c + 1), dequantized": summed(neighbours),
+           "per-group s8 dots": summed(integer), "float32 x @ w.T": summed(lambda x, w: x @ w.T)}
+    out = []
+    for b in BATCHES:
+        x = jnp.asarray(rng.standard_normal((b, k), dtype=np.float32))
+        args = {name: (x, wf if name.startswith("float32") else ws) for name in fns}
+        for name, s in best_of(fns, args, reps).items():
+            out.append({"suite": "int4", "shape": "gate/up [3072, 1024]", "batch": b, "form": name,
+                        "ms": 1e3 * s / WEIGHTS, "GB_s": n * k * (4 if name.startswith("float32") else 0.5)
+                        * WEIGHTS / s / 1e9})
+    return out
+
+
+def suite_attention(rng, reps: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    layers, heads, group, d, t = 28, 8, 2, 128, 256
+    barrier = jax.lax.optimization_barrier
+    batch_dims = ((0, 1), (0, 1))
+    forms = {
+        "q @ K^T (einsum)": lambda q, k: jnp.einsum("skgd,sktd->skgt", q, k),
+        "K @ q^T (barrier, transposed)": lambda q, k: jnp.swapaxes(
+            barrier(jax.lax.dot_general(k, q, (((3,), (3,)), batch_dims))), 2, 3),
+        "P @ V": lambda p, v: jax.lax.dot_general(p, v, (((3,), (2,)), batch_dims)),
+    }
+    out = []
+    for slots in (1, 8):
+        caches = [(jnp.asarray(rng.standard_normal((slots, heads, t, d), dtype=np.float32)),) for _ in range(layers)]
+        q = jnp.asarray(rng.standard_normal((slots, heads, group, d), dtype=np.float32))
+        p = jnp.asarray(rng.standard_normal((slots, heads, group, t), dtype=np.float32))
+        fns = {name: jax.jit(lambda a, cs, f=f: sum(f(a, c).sum() for (c,) in cs)) for name, f in forms.items()}
+        args = {name: (p if name == "P @ V" else q, caches) for name in fns}
+        for name, s in best_of(fns, args, reps).items():
+            out.append({"suite": "attention", "shape": f"{slots} slots x {heads} kv heads x {t} x {d}, {layers} layers",
+                        "batch": slots, "form": name, "ms": 1e3 * s,
+                        "GB_s": slots * heads * t * d * 4 * layers / s / 1e9})
+    return out
+
+
+SUITES = {"float": suite_float, "int8": suite_int8, "int4": suite_int4, "attention": suite_attention}
+
+
+def child(suite: str, reps: int) -> list[dict]:
+    import numpy as np
+
+    return SUITES[suite](np.random.default_rng(0), reps)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--reps", type=int, default=30)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suites", default=",".join(SUITES))
+    parser.add_argument("--flags", default="default", help=f"comma-separated XLA flag sets: {', '.join(FLAG_SETS)}")
+    parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.reps)))
+        print(json.dumps(child(args.child, args.reps)))
         return
-    runs = {}
-    for flag_name, flags in FLAG_SETS.items():
-        env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-        out = subprocess.run([sys.executable, __file__, "--child", "--reps", str(args.reps)], env=env,
-                             capture_output=True, text=True, check=True)
-        runs[flag_name] = json.loads(out.stdout.strip().splitlines()[-1])
     records = []
-    for flag_name, results in runs.items():
-        for key, seconds in results.items():
-            shape, b, form = key.split("|")
-            k, n = SHAPES[shape]
-            records.append({"flags": flag_name, "shape": shape, "batch": int(b), "formulation": form,
-                            "ms": seconds * 1e3, "weight_GB_s": k * n * 4 / seconds / 1e9,
-                            "GFLOP_s": 2 * int(b) * k * n / seconds / 1e9})
+    for flag_name in args.flags.split(","):
+        for suite in args.suites.split(","):
+            env = dict(os.environ, XLA_FLAGS=FLAG_SETS[flag_name], JAX_PLATFORMS="cpu")
+            run = subprocess.run([sys.executable, __file__, "--child", suite, "--reps", str(args.reps)], env=env,
+                                 capture_output=True, text=True, check=True)
+            records += [r | {"flags": flag_name} for r in json.loads(run.stdout.strip().splitlines()[-1])]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"flag_sets": FLAG_SETS, "records": records}, f, indent=1)
-    print("| flags | shape | formulation | " + " | ".join(f"B={b} ms" for b in BATCHES) + " | B=8/B=1 |")
-    print("|---|---|---|" + "---|" * (len(BATCHES) + 1))
-    rows: dict[tuple, dict[int, float]] = {}
+            json.dump({"flag_sets": FLAG_SETS, "weights_per_call": WEIGHTS, "records": records}, f, indent=1)
+    rows: dict[tuple, dict[int, dict]] = {}
     for r in records:
-        rows.setdefault((r["flags"], r["shape"], r["formulation"]), {})[r["batch"]] = r["ms"]
-    for (flags, shape, form), by_b in rows.items():
-        cells = " | ".join(f"{by_b[b]:.2f}" for b in BATCHES)
-        print(f"| {flags} | {shape} | {form} | {cells} | {by_b[8] / by_b[1]:.1f}x |")
+        rows.setdefault((r["flags"], r["suite"], r["shape"], r["form"]), {})[r["batch"]] = r
+    print("| flags | suite | shape | form | ms (GB/s) per batch |")
+    print("|---|---|---|---|---|")
+    for (flags, suite, shape, form), by_b in rows.items():
+        cells = ", ".join(f"B={b}: {r['ms']:.3f} ({r['GB_s']:.1f})" for b, r in sorted(by_b.items()))
+        print(f"| {flags} | {suite} | {shape} | {form} | {cells} |")
 
 
 if __name__ == "__main__":

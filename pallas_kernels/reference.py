@@ -66,8 +66,16 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=Non
     dtype = compute_dtype(q, k_cache)
     k, v = _rows(k_cache, slots, s), _rows(v_cache, slots, s)
     qg = q.reshape(s, kv_heads, q_heads // kv_heads, d).astype(dtype)
-    logits = jnp.einsum("skgd,sktd->skgt", qg, k.astype(dtype), preferred_element_type=jnp.float32,
-                        precision=precision(dtype)) * scale
+    if jax.default_backend() == "cpu":
+        # K @ q^T, then transposed: with the cache as the dot's row-major left operand XLA:CPU reads it 1.6x faster
+        # than q @ K^T's transposed right operand (8 x 8 heads x 256 positions: 9.6 vs 15.3 ms over 28 layers,
+        # benchmarks/xla_cpu_attention.py); the barrier keeps XLA from folding the transpose back into the dot.
+        logits = lax.dot_general(k.astype(dtype), qg, (((3,), (3,)), ((0, 1), (0, 1))),
+                                 preferred_element_type=jnp.float32, precision=precision(dtype))
+        logits = jnp.swapaxes(lax.optimization_barrier(logits), 2, 3) * scale
+    else:
+        logits = jnp.einsum("skgd,sktd->skgt", qg, k.astype(dtype), preferred_element_type=jnp.float32,
+                            precision=precision(dtype)) * scale
     vs = None
     if k_scale is not None:
         logits = logits * _rows(k_scale, slots, s)[:, :, None, :]

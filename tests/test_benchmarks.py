@@ -69,7 +69,7 @@ def test_decode_bytes_count_every_weight_once_plus_each_sequences_kv():
 def test_roofline_fields_and_ratios_are_per_system():
     config = ModelConfig.from_dict(preset_config("qwen3-tiny"))
     args = SimpleNamespace(prompt_len=16, gen_len=8, dtype="float32")
-    peaks = roofline.Peaks(10e9, 10e9, 5e9, 100e9, "float32", 1024, 1 << 20)
+    peaks = roofline.Peaks(10e9, 10e9, 9e9, 5e9, 100e9, "float32", 1024, 1 << 20)
     records = [{"system": s, "dtype": "float32", "concurrency": c, "prefill_tok_s": 100.0 * c, "decode_tok_s": v}
                for s, c, v in (("pocketjax", 1, 10.0), ("pocketjax", 2, 30.0), ("transformers", 1, 5.0),
                                ("transformers", 2, 6.0))]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import pocketjax as pj
-from pocketjax.model import prequantized, quant
+from pocketjax.model import layers, prequantized, quant
 from pocketjax.model.checkpoint import open_checkpoint, write_safetensors
 from pocketjax.errors import ConfigError
 from pocketjax.model.prequantized import AWQ_ORDER
@@ -29,11 +29,11 @@ def test_int8_round_trip_within_half_a_step_per_channel():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((256, 96)).astype(np.float32) * np.logspace(-3, 1, 96, dtype=np.float32)
     w[:, 5] = 0.0
-    qw = quant.quantize(w, 8)
-    assert qw.values.dtype == np.int8 and qw.scale.shape == (1, 96) and qw.zero is None
-    assert np.abs(qw.values).max() <= 127
-    err = np.abs(w - np.asarray(quant.dequantize(qw)))
-    assert np.all(err <= qw.scale / 2 * (1 + 1e-6)), float((err / qw.scale).max())
+    qw = quant.quantize(w.T, 8)  # [out, in]: 96 channels
+    assert qw.values.dtype == np.int8 and qw.values.shape == (96, 256) and qw.scale.shape == (96, 1)
+    assert qw.zero is None and np.abs(qw.values).max() <= 127
+    err = np.abs(w - np.asarray(quant.dequantize(qw)).T)
+    assert np.all(err <= qw.scale.T / 2 * (1 + 1e-6)), float((err / qw.scale.T).max())
     assert np.all(err[:, 5] == 0)
 
 
@@ -43,17 +43,18 @@ def test_int4_round_trip_within_half_a_step_per_group():
     w[:128, 0] = np.abs(w[:128, 0]) + 3.0  # a group entirely positive (asymmetric range)
     w[128:256, 1] = -0.25  # a constant group
     w[256:, 2] = 0.0
-    qw = quant.quantize(w, 4)
-    assert qw.values.shape == (192, 64) and qw.values.dtype == np.uint8
-    assert qw.scale.shape == qw.zero.shape == (3, 64) and qw.group_size == 128
-    assert int(quant.unpack_int4(qw.values).max()) <= 15 and 0 <= int(qw.zero.min()) <= int(qw.zero.max()) <= 15
-    err = np.abs(w - np.asarray(quant.dequantize(qw))).reshape(3, 128, 64)
-    assert np.all(err <= qw.scale[:, None] / 2 * (1 + 1e-6)), float((err / qw.scale[:, None]).max())
+    qw = quant.quantize(w.T, 4)  # [out, in]: 64 channels, 3 groups of 128 inputs
+    assert qw.values.shape == (64, 192) and qw.values.dtype == np.uint8
+    assert qw.scale.shape == qw.zero.shape == (64, 3) and qw.group_size == 128 and qw.shape == (64, 384)
+    assert int(quant.unpack_int4(qw.values, 3).max()) <= 15 and 0 <= int(qw.zero.min()) <= int(qw.zero.max()) <= 15
+    err = np.abs(w - np.asarray(quant.dequantize(qw)).T).reshape(3, 128, 64)
+    scale = qw.scale.T[:, None]
+    assert np.all(err <= scale / 2 * (1 + 1e-6)), float((err / scale).max())
     assert np.all(err[1, :, 1] == 0) and np.all(err[2, :, 2] == 0)
 
 
-@pytest.mark.parametrize("in_features,group", [(128, 128), (1024, 128), (64, 64), (96, 96), (200, 100), (1000, 125),
-                                               (262, 262), (16, 16)])
+@pytest.mark.parametrize("in_features,group", [(128, 128), (1024, 128), (64, 64), (96, 96), (200, 100), (1000, 100),
+                                               (210, 70), (262, 262), (16, 16)])
 def test_int4_group_size_falls_back_to_a_divisor_or_the_whole_dim(in_features, group):
     assert quant.group_size_for(in_features) == group
 
@@ -86,11 +87,14 @@ def reference_pack_gptq_cols(z: np.ndarray) -> np.ndarray:
 def test_pack_unpack_identity_and_documented_orders():
     rng = np.random.default_rng(2)
     q = rng.integers(0, 16, (16, 24)).astype(np.uint8)
-    np.testing.assert_array_equal(quant.unpack_int4(quant.pack_int4(q)), q)
-    np.testing.assert_array_equal(np.asarray(quant.unpack_int4(jnp.asarray(quant.pack_int4(q)))), q)
-    packed = quant.pack_int4(q)
-    np.testing.assert_array_equal(packed & 15, q[0::2])
-    np.testing.assert_array_equal(packed >> 4, q[1::2])
+    for groups in (1, 2, 3):
+        np.testing.assert_array_equal(quant.unpack_int4(quant.pack_int4(q, groups), groups), q)
+        np.testing.assert_array_equal(np.asarray(quant.unpack_int4(jnp.asarray(quant.pack_int4(q, groups)), groups)), q)
+    packed = quant.pack_int4(q, 2).reshape(16, 2, 6)  # groups of 12 columns: byte j holds columns j and j + 6
+    np.testing.assert_array_equal(packed & 15, q.reshape(16, 2, 12)[..., :6])
+    np.testing.assert_array_equal(packed >> 4, q.reshape(16, 2, 12)[..., 6:])
+    with pytest.raises(ConfigError, match="even groups"):
+        quant.pack_int4(q, 8)  # groups of 3
     for axis in (0, 1):
         for order in (None, AWQ_ORDER):
             words = prequantized.pack_nibbles(q, axis, order)
@@ -105,12 +109,14 @@ def test_pack_unpack_identity_and_documented_orders():
 
 
 def test_quantized_weight_is_a_pytree_through_jit():
-    qw = quant.quantize(np.random.default_rng(3).standard_normal((64, 16)), 4)
+    qw = quant.quantize(np.random.default_rng(3).standard_normal((16, 64)), 4)
     leaves, treedef = jax.tree.flatten(qw)
     assert len(leaves) == 3  # values, scale, zero; bits is static
     x = jnp.ones((2, 64), jnp.float32)
-    y = jax.jit(quant.matmul)(x, jax.tree.map(jnp.asarray, qw))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(quant.dequantize(qw)), rtol=1e-5, atol=1e-5)
+    want = np.asarray(x) @ np.asarray(quant.dequantize(qw)).T
+    for product in (quant.matmul, layers.linear):
+        y = jax.jit(product)(x, jax.tree.map(jnp.asarray, qw))
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5)
 
 
 # ---- quantize at load --------------------------------------------------------------------------------------------
@@ -153,8 +159,8 @@ def test_dequantization_is_per_matmul_and_local_under_tp():
         assert temp <= 2 * 256 * 256 * 4, (bits, temp)  # hoisted: 6 x 256 KiB
 
         mesh = Mesh(np.array(jax.devices()[:2]), ("tp",))
-        rows, whole = NamedSharding(mesh, P("tp", None)), NamedSharding(mesh, P())
-        w = jax.tree.map(lambda a: jax.device_put(a, whole if a.shape[0] % 2 else rows), ws[0])  # int8 scale [1, out]
+        cols, whole = NamedSharding(mesh, P(None, "tp")), NamedSharding(mesh, P())
+        w = jax.tree.map(lambda a: jax.device_put(a, whole if a.shape[1] % 2 else cols), ws[0])  # int8 scale [out, 1]
         xs = jax.device_put(x, NamedSharding(mesh, P(None, "tp")))
         hlo = jax.jit(quant.matmul).lower(xs, w).compile().as_text()
         assert "all-gather" not in hlo and "all-reduce" in hlo, bits
@@ -241,7 +247,7 @@ def test_prequantized_checkpoint_dequantizes_exactly_and_matches_float(hf_checkp
             assert (w.perm is not None) == desc_act
             want = intended[f"model.layers.{n}.{hf}.weight"]
             rows = np.arange(want.shape[0]) if w.perm is None else np.asarray(w.perm)
-            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want[rows])
+            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want[rows].T)
     ours = np.asarray(pj.logits(model, TOKENS))
     ref = np.asarray(pj.logits(pj.load_model(tmp_path / "f"), TOKENS))
     assert rel_err(ours, ref) <= 1e-5, rel_err(ours, ref)
@@ -267,13 +273,14 @@ def test_int8_product_is_an_integer_dot_within_the_activation_rounding(rows):
     """On CPU, per-channel int8 weights multiply as s8 x s8 -> s32 with x quantized per row (W8A8): its error
     against x @ dequantize(W) is at most half a step of each row's int8 grid times sum_k |W[k, j]|."""
     rng = np.random.default_rng(rows)
-    w = quant.quantize(rng.standard_normal((64, 48)).astype(np.float32), 8)
+    w = quant.quantize(rng.standard_normal((48, 64)).astype(np.float32), 8)  # [out, in]
     x = rng.standard_normal((rows, 64)).astype(np.float32)
     got = np.asarray(quant.matmul(jnp.asarray(x), jax.device_put(w)), np.float64)
-    deq = np.asarray(quant.dequantize(w), np.float64)
+    deq = np.asarray(quant.dequantize(w), np.float64).T
     half_step = np.abs(x).max(axis=1, keepdims=True) / 127 / 2
     bound = half_step * np.abs(deq).sum(axis=0)[None] + 1e-5 * np.abs(x @ deq) + 1e-6
     assert np.all(np.abs(got - x.astype(np.float64) @ deq) <= bound)
     text = jax.jit(quant.matmul).lower(jnp.asarray(x), jax.device_put(w)).as_text()
-    assert re.search(rf"dot_general.*\(tensor<{max(rows, 2)}x64xi8>, tensor<64x48xi8>\) -> tensor<{max(rows, 2)}x48xi32>",
-                     text), "not an s8 x s8 -> s32 dot over >= 2 rows"
+    r = max(rows, 2)  # W @ xq.T: the weight is the dot's row-major left operand
+    assert re.search(rf"dot_general.*\(tensor<48x64xi8>, tensor<{r}x64xi8>\) -> tensor<48x{r}xi32>", text), \
+        "not an s8 x s8 -> s32 dot over >= 2 rows"

@@ -75,7 +75,7 @@ def test_engine_greedy_scan_equals_unrolled(load, greedy, impl, kv_dtype, quanti
     if quantize:
         assert isinstance(scan.params["layers"]["gate"], QuantizedWeight)
         c = scan.config
-        assert scan.params["layers"]["gate"].shape == (c.num_layers, c.hidden_size, c.intermediate_size)
+        assert scan.params["layers"]["gate"].shape == (c.num_layers, c.intermediate_size, c.hidden_size)
     expected = greedy(unrolled, attention_impl=impl, kv_dtype=kv_dtype)
     engine = Engine(scan, **ENGINE, attention_impl=impl, kv_dtype=kv_dtype)
     c = scan.config

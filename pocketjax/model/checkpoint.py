@@ -213,7 +213,7 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
         raise CheckpointError(f"missing tensor(s) in checkpoint: {', '.join(missing[:5])}")
 
     for path, name, shape in param_tensors(config):
-        if name in quantized:  # an AWQ/GPTQ QuantizedWeight, already [in, out]
+        if name in quantized:  # an AWQ/GPTQ QuantizedWeight, read into quant.py's [out, in] layout
             yield path, prequantized.read_linear(config.quantization, name.removesuffix(".weight"), *shape,
                                                  lambda n: tensors[n].tensor(n))
             continue

@@ -47,7 +47,8 @@ SKINNY_ROWS = 64  # up to this many rows (decode batches), XLA:CPU runs the tran
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Array | None = None) -> jax.Array:
-    """x @ w.T (+ b) for a weight stored [out, in] (HF's layout), or a QuantizedWeight (dequantized in the matmul).
+    """x @ w.T (+ b) for a weight stored [out, in] (HF's layout), or a QuantizedWeight in the same layout (an integer
+    product where `quant.has_integer_product`, else dequantized inside the step and multiplied as a float weight).
 
     For a few rows on CPU the product is computed as w @ x.T, materialized (the barrier keeps XLA from folding the
     transpose back into the dot's output layout), then transposed: XLA:CPU's [8, 1024] x [1024, 3072] dot takes
@@ -56,7 +57,11 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Arr
     if isinstance(w, LoraWeight):  # an unmerged LoRA adapter (model/lora.py): base product + its rank-r path
         return linear(x, w.base, b) + w.lora.apply(x)
     if isinstance(w, QuantizedWeight):
-        y = quant.matmul(x, w)
+        x = quant.permuted(x, w)
+        if quant.has_integer_product(w):
+            y = quant.int8_product(x, w)
+        else:
+            y = jnp.einsum("...k,nk->...n", x, quant.dequantize(quant.after(w, x), x.dtype))
     elif w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         y = bfloat16_product(x, w)
     else:

@@ -94,8 +94,8 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     for path, _, shape in param_tensors(config):
         name = path[-1]
         if mode is not None and (name in quant.LINEAR_NAMES or (mode[1] and name in quant.HEAD_NAMES)):
-            # quantized weights are held [in, out] (see quant.quantizing_placer); the embedding as lm_head
-            path, shape = (quant.QUANTIZED,) + (("lm_head",) if name == "embed" else path), shape[::-1]
+            # quantized weights keep the float weight's [out, in] layout (see quant.quantizing_placer)
+            path = (quant.QUANTIZED,) + path
             leaves = quant.leaf_shapes(*shape, mode[0]).values()
         else:
             leaves = [(shape, a)]

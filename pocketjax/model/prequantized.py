@@ -8,7 +8,8 @@ GPTQ:      qweight int32 [in/8, out], nibble j of word r = input row 8r + j; qze
            default) stores zero - 1, so zero = nibble + 1 (zero 0 is unrepresentable there); "gptq_v2" stores the
            zero itself. sym=True is zero 8 (v1 nibble 7), read like any other zero.
 
-Both are exactly quant.py's int4 form (asymmetric, group-wise, [in, out]), so they share its dequantizing matmul.
+Both are exactly quant.py's int4 form (asymmetric, group-wise), stored [in, out]: `read_linear` transposes them to
+quant.py's [out, in] on the host, so they share its dequantizing matmul.
 """
 from __future__ import annotations
 
@@ -105,5 +106,6 @@ def read_linear(qc: QuantizationConfig, prefix: str, out_features: int, in_featu
             if not np.array_equal(g_idx[perm], np.arange(in_features) // group):
                 raise CheckpointError(f"{prefix}.g_idx does not assign exactly {group} input rows to each group")
             q = q[perm]
-    return QuantizedWeight(values=pack_int4(q), scale=scale, zero=zero,
+    return QuantizedWeight(values=pack_int4(q.T, scale.shape[0]), scale=np.ascontiguousarray(scale.T),
+                           zero=np.ascontiguousarray(zero.T),
                            perm=None if perm is None else perm.astype(np.int32), bits=4)

@@ -1,23 +1,26 @@
 """Weight-only int8 / int4 quantization: the QuantizedWeight pytree, quantizing at load, the dequantizing matmul.
 (AWQ / GPTQ int4 checkpoints are read into the same QuantizedWeight by prequantized.py.)
 
-Schemes (every weight is [in, out], as all linears here):
-- "int8": symmetric per output channel. values int8 in [-127, 127], scale = absmax / 127, float32 [1, out].
+Schemes (every weight is [out, in], HF's layout, as all linears here):
+- "int8": symmetric per output channel. values int8 in [-127, 127], scale = absmax / 127, float32 [out, 1].
 - "int4": asymmetric, group-wise along the input dim (group 128, see `group_size_for`). values 0..15 packed two per
-  byte (input row 2r in the low nibble, 2r+1 in the high one), zero int8 [groups, out], scale float32 [groups, out],
+  byte within each group: byte j of a group's half-size run holds the group's column j (low nibble) and column
+  j + group/2 (high nibble), so unpacking concatenates two whole runs (`unpack_int4`) instead of interleaving nibbles,
+  which XLA:CPU did at half the speed (Qwen3-0.6B int4 decode, 1 row: 68 vs 139 ms per step). zero int8
+  [out, groups], scale float32 [out, groups],
   w = (values - zero) * scale over the range [min(w, 0), max(w, 0)] of each group. Asymmetric because: the 16 levels
   cover the group's actual range (a symmetric grid spends levels on the side the group does not reach); and AWQ and
   GPTQ checkpoints (asymmetric, or symmetric = zero 8) are exactly this form, so one representation and one
   dequantization path serve our own int4 and every pre-quantized checkpoint. The zero costs 1 byte per 128 weights.
 - Scales are float32: exact for fp16 checkpoint scales, and the error bound |w - deq| <= scale / 2 holds for the
   scale actually stored (a rounded 16-bit scale can push the top of a group past level 15).
-- Embedding and lm_head stay in the model dtype. "int8+head" / "int4+head" quantize them too (same bits); the embedding
-  is then stored transposed, [hidden, vocab], so a tied table is one QuantizedWeight that serves both the token gather
-  (`embed`) and the output projection, and every QuantizedWeight keeps its out axis (here vocab) last.
+- Embedding and lm_head stay in the model dtype. "int8+head" / "int4+head" quantize them too (same bits); a tied
+  table [vocab, hidden] is one QuantizedWeight that serves both the token gather (`embed`, rows) and the output
+  projection (vocab is its out axis).
 
 Matmul: per-channel int8 on CPU is an integer dot with activations quantized per row (`int8_product`, W8A8: 15-20x
-faster than what follows, 1.5-2x faster than float32). Everything else: `x @ dequantize(w, x.dtype)`, the
-dequantization in float32 inside the jitted step. Measured on XLA:CPU (jax
+faster than what follows, 1.5-2x faster than float32). Everything else: `layers.linear(x, dequantize(w, x.dtype))`,
+the dequantization in float32 inside the jitted step. Measured on XLA:CPU (jax
 0.10.2, [1..16, 1024] @ [1024, 3072]): no formulation fuses the dequantization into the dot. Every variant, and even a
 plain bfloat16 dot (which XLA:CPU computes in float32), materializes one transient [in, out] float32 operand per matmul;
 dequantize-then-matmul was the fastest of x @ (q * s), (x @ q) * s and grouped einsums with per-group scales (batched
@@ -48,11 +51,12 @@ LEAVES = ("values", "scale", "zero", "perm")
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A quantized [in, out] weight; every leaf keeps the out axis last, so column/row shardings carry over.
+    """A quantized [out, in] weight, laid out as the float weight it replaces: every leaf keeps the out axis first,
+    so the float weight's column/row sharding applies leaf by leaf, and products read it as `w @ x.T` does.
 
-    values: int8 [in, out] (8 bits) | uint8 [in/2, out] (4 bits, two input rows per byte)
-    scale:  float32 [groups, out];  zero: int8 [groups, out] | None (symmetric);  w = (values - zero) * scale
-    perm:   int32 [in] | None: the rows are stored in this input order (GPTQ desc_act), so x is gathered first.
+    values: int8 [out, in] (8 bits) | uint8 [out, in/2] (4 bits, two input columns per byte: `pack_int4`)
+    scale:  float32 [out, groups];  zero: int8 [out, groups] | None (symmetric);  w = (values - zero) * scale
+    perm:   int32 [in] | None: the columns are stored in this input order (GPTQ desc_act), so x is gathered first.
     """
 
     values: Any
@@ -63,13 +67,13 @@ class QuantizedWeight:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """[in, out], after a leading [layers] axis when stacked (the scan layout)."""
-        *lead, rows, out = self.values.shape
-        return (*lead, rows * 8 // self.bits, out)
+        """[out, in], after a leading [layers] axis when stacked (the scan layout)."""
+        *lead, out, cols = self.values.shape
+        return (*lead, out, cols * 8 // self.bits)
 
     @property
     def group_size(self) -> int:
-        return self.shape[-2] // self.scale.shape[-2]
+        return self.shape[-1] // self.scale.shape[-1]
 
     @property
     def dtype(self):
@@ -90,94 +94,116 @@ def parse_mode(quantize: str | None) -> tuple[int, bool] | None:
 
 
 def group_size_for(in_features: int, group: int = GROUP_SIZE) -> int:
-    """The int4 group along the input dim: `group` when it divides in_features; else the largest divisor of
-    in_features below it, if that is at least MIN_GROUP_SIZE; else one group spanning the whole dim (always the case
-    when in_features < MIN_GROUP_SIZE). Smaller groups would spend more on scales than they save in error."""
+    """The int4 group along the input dim: `group` when it divides in_features; else the largest even divisor of
+    in_features below it (packing pairs a group's two halves), if that is at least MIN_GROUP_SIZE; else one group
+    spanning the whole dim (always the case when in_features < MIN_GROUP_SIZE). Smaller groups would spend more on
+    scales than they save in error."""
     if in_features % group == 0:
         return group
-    divisor = max(d for d in range(1, min(group, in_features) + 1) if in_features % d == 0)
+    divisor = max(d for d in range(2, min(group, in_features) + 1, 2) if in_features % d == 0) \
+        if in_features % 2 == 0 else 0
     return divisor if divisor >= MIN_GROUP_SIZE else in_features
 
 
 # ---- packing -----------------------------------------------------------------------------------------------------
-def pack_int4(q):
-    """uint8 [in/2, out] from integer values 0..15 [in, out]: row 2r in the low nibble, row 2r+1 in the high one."""
+def pack_int4(q, groups: int):
+    """uint8 [out, in/2] from integer values 0..15 [out, in] in `groups` equal groups along in: in each group, byte j
+    holds column j in the low nibble and column j + group/2 in the high one."""
     q = np.asarray(q, np.uint8)
-    if q.shape[0] % 2:
-        raise ConfigError(f"int4 packing needs an even input dim, got {q.shape[0]}")
-    return q[0::2] | (q[1::2] << 4)
+    size = q.shape[-1] // groups
+    if q.shape[-1] % groups or size % 2:
+        raise ConfigError(f"int4 packing needs even groups along the input dim, got {q.shape[-1]} in {groups}")
+    g = q.reshape(*q.shape[:-1], groups, size)
+    return (g[..., :size // 2] | (g[..., size // 2:] << 4)).reshape(*q.shape[:-1], -1)
 
 
-def unpack_int4(packed):
-    """uint8 [in, out] values 0..15 from pack_int4's bytes; numpy or jax (traced) alike."""
+def unpack_int4(packed, groups: int):
+    """uint8 [out, in] values 0..15 from pack_int4's bytes; numpy or jax (traced) alike."""
     xp = np if isinstance(packed, np.ndarray) else jnp
-    return xp.stack([packed & 15, packed >> 4], axis=1).reshape(-1, packed.shape[-1])
+    g = packed.reshape(*packed.shape[:-1], groups, -1)
+    return xp.concatenate([g & 15, g >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
 
 
 # ---- quantize / dequantize ---------------------------------------------------------------------------------------
 def quantize(w, bits: int, group_size: int | None = None) -> QuantizedWeight:
-    """Quantize a host [in, out] weight (computed in float32): int8 per channel, or int4 group-wise asymmetric."""
+    """Quantize a host [out, in] weight (computed in float32): int8 per channel, or int4 group-wise asymmetric."""
     w = np.asarray(w, np.float32)
     if bits == 8:
-        scale = np.abs(w).max(axis=0, keepdims=True) / np.float32(127)
+        scale = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
         scale = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
         values = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
         return QuantizedWeight(values=values, scale=scale, bits=8)
     if bits != 4:
         raise ConfigError(f"bits={bits} is not supported (supported: 8, 4)")
-    size = group_size or group_size_for(w.shape[0])
-    if w.shape[0] % size:
-        raise ConfigError(f"group_size={size} does not divide the input dim {w.shape[0]}")
-    groups = w.reshape(w.shape[0] // size, size, w.shape[1])
-    lo = np.minimum(groups.min(axis=1), 0)  # the range always holds 0, so zero lies in [0, 15] and nothing clips
-    hi = np.maximum(groups.max(axis=1), 0)
+    size = group_size or group_size_for(w.shape[1])
+    if w.shape[1] % size:
+        raise ConfigError(f"group_size={size} does not divide the input dim {w.shape[1]}")
+    groups = w.reshape(w.shape[0], w.shape[1] // size, size)
+    lo = np.minimum(groups.min(axis=2), 0)  # the range always holds 0, so zero lies in [0, 15] and nothing clips
+    hi = np.maximum(groups.max(axis=2), 0)
     scale = np.where(hi > lo, (hi - lo) / np.float32(15), np.float32(1)).astype(np.float32)
     zero = np.clip(np.rint(-lo / scale), 0, 15)
-    q = np.clip(np.rint(groups / scale[:, None]) + zero[:, None], 0, 15).reshape(w.shape)
-    return QuantizedWeight(values=pack_int4(q), scale=scale, zero=zero.astype(np.int8), bits=4)
+    q = np.clip(np.rint(groups / scale[..., None]) + zero[..., None], 0, 15).reshape(w.shape)
+    return QuantizedWeight(values=pack_int4(q, scale.shape[-1]), scale=scale, zero=zero.astype(np.int8), bits=4)
 
 
-def leaf_shapes(in_features: int, out_features: int, bits: int) -> dict[str, tuple[tuple[int, ...], int]]:
-    """{leaf: (shape, bytes per element)} of `quantize`'s result for an [in, out] weight, without building it."""
+def leaf_shapes(out_features: int, in_features: int, bits: int) -> dict[str, tuple[tuple[int, ...], int]]:
+    """{leaf: (shape, bytes per element)} of `quantize`'s result for an [out, in] weight, without building it."""
     if bits == 8:
-        return {"values": ((in_features, out_features), 1), "scale": ((1, out_features), 4)}
+        return {"values": ((out_features, in_features), 1), "scale": ((out_features, 1), 4)}
     groups = in_features // group_size_for(in_features)
-    return {"values": ((in_features // 2, out_features), 1), "scale": ((groups, out_features), 4),
-            "zero": ((groups, out_features), 1)}
+    return {"values": ((out_features, in_features // 2), 1), "scale": ((out_features, groups), 4),
+            "zero": ((out_features, groups), 1)}
 
 
 def integer_values(w: QuantizedWeight):
-    """The integer values [in, out] (int8 for 8 bits, uint8 0..15 for 4 bits), rows in stored (perm) order."""
-    return unpack_int4(w.values) if w.bits == 4 else w.values
+    """The integer values [out, in] (int8 for 8 bits, uint8 0..15 for 4 bits), columns in stored (perm) order."""
+    return unpack_int4(w.values, w.scale.shape[-1]) if w.bits == 4 else w.values
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
-    """The [in, out] weight (values - zero) * scale, computed in float32 and cast to dtype (rows in stored order)."""
+    """The [out, in] weight (values - zero) * scale, computed in float32 and cast to dtype (columns in stored order)."""
     q = jnp.asarray(integer_values(w)).astype(jnp.float32)
-    rows, out = q.shape
-    q = q.reshape(w.scale.shape[0], rows // w.scale.shape[0], out)
+    out, cols = q.shape
+    groups = w.scale.shape[-1]
+    q = q.reshape(out, groups, cols // groups)
     if w.zero is not None:
-        q = q - jnp.asarray(w.zero).astype(jnp.float32)[:, None]
-    return (q * jnp.asarray(w.scale, jnp.float32)[:, None]).reshape(rows, out).astype(dtype)
+        q = q - jnp.asarray(w.zero).astype(jnp.float32)[..., None]
+    return (q * jnp.asarray(w.scale, jnp.float32)[..., None]).reshape(out, cols).astype(dtype)
+
+
+def has_integer_product(w: QuantizedWeight) -> bool:
+    """Whether `int8_product` computes x @ w.T: per-channel symmetric int8, on CPU (where XLA has the fast s8 dot)."""
+    return w.bits == 8 and w.zero is None and w.scale.shape[-1] == 1 and jax.default_backend() == "cpu"
+
+
+def permuted(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x's input features in w's stored column order (GPTQ desc_act), else x."""
+    return x if w.perm is None else jnp.take(x, w.perm, axis=-1)
 
 
 def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x @ W for a quantized W, in x's dtype: `int8_product` for per-channel int8 on CPU, else dequantize-then-matmul
-    (see the module docstring for why)."""
-    if w.perm is not None:
-        x = jnp.take(x, w.perm, axis=-1)
-    if w.bits == 8 and w.zero is None and w.scale.shape[0] == 1 and jax.default_backend() == "cpu":
+    """x @ W.T for a quantized W [out, in], in x's dtype: `int8_product` where it applies, else dequantize-then-matmul
+    (see the module docstring for why). `layers.linear` is the entry point the model uses; this is its plain form."""
+    x = permuted(x, w)
+    if has_integer_product(w):
         return int8_product(x, w)
-    return x @ dequantize(after(w, x), x.dtype)
+    return x @ dequantize(after(w, x), x.dtype).T
+
+
+SKINNY_ROWS = 64  # up to this many rows (decode batches) the integer product runs as w @ x.T on CPU
 
 
 def int8_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x @ W for a per-output-channel int8 W [in, out], as XLA:CPU's fast integer dot: x quantized per row to int8
-    (scale = max|row| / 127), s8 x s8 -> s32, then both scales applied to the [rows, out] result (W8A8, what
-    llama.cpp's q8_0 does). At least 2 rows: exactly one falls off the fast library.
+    """x @ W.T for a per-output-channel int8 W [out, in], as XLA:CPU's fast integer dot: x quantized per row to int8
+    (scale = max|row| / 127), s8 x s8 -> s32, then both scales applied to the result (W8A8, what llama.cpp's q8_0
+    does). At least 2 rows: exactly one falls off the fast library. Up to SKINNY_ROWS rows the dot is W @ xq.T with
+    the weight as its row-major left operand, materialized then transposed (the barrier keeps XLA from folding the
+    transpose back), as `layers.linear` does for float weights.
 
-    Measured per [1024, 3072] product, 8 distinct weights per call (2-core AMD EPYC, jax 0.10.2): 0.22-0.36 ms at
-    1-8 rows, where dequantize-then-matmul takes 5.1-5.5 ms and float32 0.47-1.0 ms. The activation rounding is an
+    Measured per product, 16 distinct weights per call (2-core AMD EPYC, jax 0.10.2, `benchmarks/xla_cpu_matmul.py
+    --int8`), 1 / 8 rows: [3072, 1024] (down) 0.12 / 0.14 ms as W @ xq.T, 0.45 / 0.53 ms as xq @ W[in, out];
+    [1024, 3072] (gate) 0.14 / 0.17 vs 0.17 / 0.23; float32 takes 0.29 / 0.45 ms. The activation rounding is an
     extra error of at most half a step of each row's int8 grid (tests/test_quant.py bounds the logits' error).
     """
     shape = x.shape
@@ -188,9 +214,14 @@ def int8_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     xq = jnp.round(flat / x_scale).astype(jnp.int8)
     if rows == 1:
         xq = jnp.pad(xq, ((0, 1), (0, 0)))
-    acc = jax.lax.dot_general(xq, w.values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.int32)[:rows]
-    y = acc.astype(jnp.float32) * x_scale * w.scale
-    return y.astype(x.dtype).reshape(*shape[:-1], w.values.shape[-1])
+    contract = (((1,), (1,)), ((), ()))
+    if rows <= SKINNY_ROWS:
+        acc = jax.lax.optimization_barrier(
+            jax.lax.dot_general(w.values, xq, contract, preferred_element_type=jnp.int32)).T[:rows]
+    else:
+        acc = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.int32)
+    y = acc.astype(jnp.float32) * x_scale * w.scale[:, 0]
+    return y.astype(x.dtype).reshape(*shape[:-1], w.values.shape[0])
 
 
 def after(w: QuantizedWeight, x: jax.Array) -> QuantizedWeight:
@@ -203,13 +234,13 @@ def after(w: QuantizedWeight, x: jax.Array) -> QuantizedWeight:
     split alike; tying to any single element of x made XLA all-gather x before o and down: measured at TP2).
     """
     nan = jnp.isnan(x.reshape(-1, x.shape[-1])[0])  # False unless x holds a NaN, which poisons the output anyway
-    if w.bits == 4:
-        nan = nan.reshape(-1, 2).any(axis=-1)
-    return replace(w, values=jnp.where(nan[:, None], jnp.zeros_like(w.values), w.values))
+    if w.bits == 4:  # a byte holds columns j and j + group/2 of its group (pack_int4)
+        nan = nan.reshape(w.scale.shape[-1], 2, -1).any(axis=1).reshape(-1)
+    return replace(w, values=jnp.where(nan[None, :], jnp.zeros_like(w.values), w.values))
 
 
 def embed(table, tokens: jax.Array, dtype) -> jax.Array:
-    """Embedding rows [..., hidden] for tokens; a quantized table is [hidden, vocab] and only the used columns are
+    """Embedding rows [..., hidden] for tokens; of a quantized table [vocab, hidden] only the used rows are
     dequantized."""
     if not isinstance(table, QuantizedWeight):
         if table.dtype.itemsize == 2:  # XLA:CPU has no 16-bit float gather: it would convert the whole table to
@@ -217,13 +248,13 @@ def embed(table, tokens: jax.Array, dtype) -> jax.Array:
             return jax.lax.bitcast_convert_type(bits[tokens], table.dtype)
         return table[tokens]
     ids = tokens.reshape(-1)
-    cols = QuantizedWeight(values=jnp.take(table.values, ids, axis=1), scale=jnp.take(table.scale, ids, axis=1),
-                           zero=None if table.zero is None else jnp.take(table.zero, ids, axis=1), bits=table.bits)
-    return dequantize(cols, dtype).T.reshape(tokens.shape + (table.shape[0],))
+    rows = QuantizedWeight(values=jnp.take(table.values, ids, axis=0), scale=jnp.take(table.scale, ids, axis=0),
+                           zero=None if table.zero is None else jnp.take(table.zero, ids, axis=0), bits=table.bits)
+    return dequantize(rows, dtype).reshape(tokens.shape + (table.shape[-1],))
 
 
 # ---- quantizing at load ------------------------------------------------------------------------------------------
-# A placer path starting with QUANTIZED is a QuantizedWeight leaf, held [in, out]: sharding transposes its spec.
+# A placer path starting with QUANTIZED is a QuantizedWeight leaf, laid out [out, ...] as its float weight.
 QUANTIZED = "quantized"
 Placer = Callable[[tuple, np.ndarray], Any]
 
@@ -234,17 +265,15 @@ def quantizing_placer(place: Placer, quantize: str | None, dtype) -> Placer:
     placed leaf by leaf.
 
     `place(path, leaf)` receives each of values/scale/zero/perm under (QUANTIZED,) + the weight's own path, so a
-    sharding placer gives it the weight's spec, transposed (every leaf keeps out last), and replicates a leaf that
-    spec does not divide (a 1-D perm; a scale with fewer groups than devices).
+    sharding placer gives it the weight's spec (every leaf keeps out first), and replicates a leaf that spec does not
+    divide (a 1-D perm; a scale with fewer groups than devices).
     """
     mode = parse_mode(quantize)
 
     def placer(path: tuple, array) -> Any:
         name = path[-1]
         if mode is not None and (name in LINEAR_NAMES or (mode[1] and name in HEAD_NAMES)):
-            array = quantize_host(array.T, mode[0])  # float weights arrive [out, in] (HF's layout)
-            if name == "embed":
-                path = ("lm_head",)  # now in lm_head's [hidden, vocab] layout, so it takes lm_head's sharding
+            array = quantize_host(array, mode[0])  # float weights arrive [out, in] (HF's layout), and stay so
         if not isinstance(array, QuantizedWeight):
             return place(path, np.asarray(array, dtype))
         path = (QUANTIZED,) + path
@@ -256,4 +285,4 @@ def quantizing_placer(place: Placer, quantize: str | None, dtype) -> Placer:
 
 def quantize_host(array: np.ndarray, bits: int) -> QuantizedWeight:
     """`quantize` with the int4 group chosen for this weight's input dim."""
-    return quantize(array, bits, group_size_for(array.shape[0]) if bits == 4 else None)
+    return quantize(array, bits, group_size_for(array.shape[1]) if bits == 4 else None)

@@ -97,10 +97,9 @@ def check_tp(config: ModelConfig, tp: int) -> None:
 
 def param_spec(path: tuple, config: ModelConfig, tp: int) -> P:
     """Where a parameter's shards live on the "tp" axis: linears are [out, in] (HF's layout); a path that starts
-    with QUANTIZED is a QuantizedWeight leaf, held [in, out], and gets the transposed spec."""
+    with QUANTIZED is a QuantizedWeight leaf, laid out [out, ...] as its weight, and gets the weight's spec."""
     if path and path[0] == QUANTIZED:
-        spec = tuple(param_spec(path[1:], config, tp))
-        return P(*spec[::-1]) if len(spec) == 2 else P(*spec)
+        return param_spec(path[1:], config, tp)
     name = path[-1]
     if tp == 1:
         return P()
@@ -117,8 +116,8 @@ def param_spec(path: tuple, config: ModelConfig, tp: int) -> P:
 
 def array_spec(path: tuple, shape: tuple[int, ...], config: ModelConfig, tp: int) -> P:
     """The spec an array of `shape` at param `path` is placed with: param_spec where it splits the array evenly over
-    tp, else replicated. Only quantized leaves can fall back: a row-parallel scale [groups, out] may have fewer groups
-    than devices (int8: one), an int4 values leaf has half its weight's rows, a perm [in] is 1-D."""
+    tp, else replicated. Only quantized leaves can fall back: a row-parallel scale [out, groups] may have fewer groups
+    than devices (int8: one), an int4 values leaf has half its weight's columns, a perm [in] is 1-D."""
     spec = param_spec(path, config, tp)
     if len(spec) > len(shape) or any(dim % tp for dim, axes in zip(shape, spec) if axes is not None):
         return P()
