@@ -43,7 +43,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[..., None, :] + rotated * sin[..., None, :]
 
 
-SKINNY_ROWS = 64  # up to this many rows (decode batches), XLA:CPU runs the transposed product far faster
+SKINNY_ROWS = quant.SKINNY_ROWS  # up to this many rows (decode batches), XLA:CPU runs the transposed product faster
 
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Array | None = None) -> jax.Array:
@@ -57,11 +57,7 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Arr
     if isinstance(w, LoraWeight):  # an unmerged LoRA adapter (model/lora.py): base product + its rank-r path
         return linear(x, w.base, b) + w.lora.apply(x)
     if isinstance(w, QuantizedWeight):
-        x = quant.permuted(x, w)
-        if quant.has_integer_product(w):
-            y = quant.int8_product(x, w)
-        else:
-            y = jnp.einsum("...k,nk->...n", x, quant.dequantize(quant.after(w, x), x.dtype))
+        y = quant.matmul(x, w)
     elif w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
         y = bfloat16_product(x, w)
     else:
