@@ -629,12 +629,17 @@ def add_roofline(records: list[dict], config: ModelConfig, args: SimpleNamespace
             "achieved_prefill_gflop_s": flops_per_prefill / prefill_s / 1e9,
             "pct_matmul_peak": 100 * flops_per_prefill / prefill_s / peaks.matmul_flop_s,
         })
+        if rec.get("phase_read_bytes_s"):
+            rec["pct_phase_bandwidth"] = 100 * rec["achieved_decode_gb_s"] * 1e9 / rec["phase_read_bytes_s"]
         if rec.get("quantize"):  # the roofline counts float weights: no bandwidth share for quantized ones
             for key in ("decode_bytes_per_step", "achieved_decode_gb_s", "bandwidth_bound_tok_s", "roofline_tok_s",
-                        "pct_bandwidth_roofline", "pct_roofline"):
+                        "pct_bandwidth_roofline", "pct_roofline", "pct_phase_bandwidth"):
                 rec[key] = None
         if rec["system"] != "pocketjax" and c in by_c:
             rec["pocketjax_decode_speedup"] = by_c[c]["decode_tok_s"] / rec["decode_tok_s"]
+            if rec.get("phase_read_bytes_s") and by_c[c].get("phase_read_bytes_s"):  # as if both had one bandwidth
+                rec["pocketjax_decode_speedup_equal_bandwidth"] = (
+                    rec["pocketjax_decode_speedup"] * rec["phase_read_bytes_s"] / by_c[c]["phase_read_bytes_s"])
 
 
 def fmt(x, spec: str) -> str:
@@ -643,8 +648,8 @@ def fmt(x, spec: str) -> str:
 
 def markdown_table(records: list[dict]) -> str:
     head = ("| system | dtype | conc | prefill tok/s | decode tok/s | decode x c1 | ms/step | fwd / lm_head / "
-            "sampler / host ms | % BW roofline | % matmul peak (prefill) |")
-    lines = [head, "|" + "---|" * 4 + "---:|" * 6]
+            "sampler / host ms | % BW roofline | % BW of own probe | % matmul peak (prefill) |")
+    lines = [head, "|" + "---|" * 4 + "---:|" * 7]
     for r in records:
         if "decode_tok_s" not in r:
             continue
@@ -654,7 +659,8 @@ def markdown_table(records: list[dict]) -> str:
         lines.append(f"| {r['system']} | {dtype} | {r['concurrency']} | {fmt(r['prefill_tok_s'], '.1f')} | "
                      f"{fmt(r['decode_tok_s'], '.2f')} | {fmt(r.get('decode_ratio_vs_c1'), '.2f')} | "
                      f"{fmt(r.get('decode_step_ms'), '.1f')} | {split} | "
-                     f"{fmt(r.get('pct_bandwidth_roofline'), '.1f')} | {fmt(r.get('pct_matmul_peak'), '.1f')} |")
+                     f"{fmt(r.get('pct_bandwidth_roofline'), '.1f')} | {fmt(r.get('pct_phase_bandwidth'), '.1f')} | "
+                     f"{fmt(r.get('pct_matmul_peak'), '.1f')} |")
     return "\n".join(lines)
 
 
@@ -730,17 +736,26 @@ def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> di
     phases = machine["phase_s"] = {"peaks": time.perf_counter() - t0}
     result = {"machine": machine, "records": []}
     records = result["records"]
+
+    def probed(rows: list[dict], read_bytes_s: float) -> list[dict]:
+        """Each record with the read bandwidth measured just before its system ran: on a shared box it drifts by
+        10-15% within one run, so systems compare fairly only against their own probe."""
+        return [r | {"phase_read_bytes_s": read_bytes_s} for r in rows]
+
+    probe_bytes = (256 << 20) if args.quick else (1 << 30)
     for load_dtype in args.load_dtypes:
         for quantize in args.quantize:
             t0 = time.perf_counter()
+            bandwidth = max(roofline.read_bandwidth(probe_bytes, 4).values())
             rows, config = bench_pocketjax(folder, args, load_dtype, quantize)
-            records += rows
+            records += probed(rows, bandwidth)
             phases[f"pocketjax-{load_dtype}-{quantize or 'float'}"] = time.perf_counter() - t0
             save(result, config, args, peaks)  # after each system, so a long run that is stopped keeps what it measured
     peers = {"transformers": bench_transformers, "llamacpp": bench_llamacpp}
     for name in args.peers:
         t0 = time.perf_counter()
-        records += peers[name](folder, args, config.vocab_size)
+        bandwidth = max(roofline.read_bandwidth(probe_bytes, 4).values())
+        records += probed(peers[name](folder, args, config.vocab_size), bandwidth)
         phases[name] = time.perf_counter() - t0
         save(result, config, args, peaks)
     t0 = time.perf_counter()

@@ -70,12 +70,15 @@ def test_roofline_fields_and_ratios_are_per_system():
     config = ModelConfig.from_dict(preset_config("qwen3-tiny"))
     args = SimpleNamespace(prompt_len=16, gen_len=8, dtype="float32")
     peaks = roofline.Peaks(10e9, 10e9, 9e9, 5e9, 100e9, "float32", 1024, 1 << 20)
-    records = [{"system": s, "dtype": "float32", "concurrency": c, "prefill_tok_s": 100.0 * c, "decode_tok_s": v}
-               for s, c, v in (("pocketjax", 1, 10.0), ("pocketjax", 2, 30.0), ("transformers", 1, 5.0),
-                               ("transformers", 2, 6.0))]
+    records = [{"system": s, "dtype": "float32", "concurrency": c, "prefill_tok_s": 100.0 * c, "decode_tok_s": v,
+                "phase_read_bytes_s": bw}
+               for s, c, v, bw in (("pocketjax", 1, 10.0, 10e9), ("pocketjax", 2, 30.0, 10e9),
+                                   ("transformers", 1, 5.0, 20e9), ("transformers", 2, 6.0, 20e9))]
     bench_engine.add_roofline(records, config, args, peaks)
     assert [r["decode_ratio_vs_c1"] for r in records] == [1.0, 3.0, 1.0, 1.2]
     assert records[3]["pocketjax_decode_speedup"] == 5.0
+    assert records[3]["pocketjax_decode_speedup_equal_bandwidth"] == pytest.approx(10.0)  # the peer had 2x the bandwidth
+    assert records[0]["pct_phase_bandwidth"] == pytest.approx(100 * records[0]["achieved_decode_gb_s"] * 1e9 / 10e9)
     bound = peaks.bandwidth_bytes_s / roofline.decode_bytes(config, "float32", 1, 16 + 8 / 2)
     assert records[0]["pct_bandwidth_roofline"] == pytest.approx(100 * 10.0 / bound)
     assert "| transformers | float32 | 2 |" in bench_engine.markdown_table(records)
