@@ -20,8 +20,8 @@ Schemes (every weight is [out, in], HF's layout, as all linears here):
   projection (vocab is its out axis).
 
 Matmul (`layers.linear`): per-channel int8 on CPU is an integer dot with activations quantized per row
-(`int8_product`, W8A8, the weight the dot's row-major left operand: 15-20x faster than what follows, 2-4x faster than
-float32). Everything else: `x @ dequantize(w, x.dtype).T`, the dequantization in float32 inside the jitted step.
+(`int8_product`, W8A8, the weight the dot's row-major left operand: 15-20x faster than what follows, 2-2.5x faster
+than float32). Everything else: `x @ dequantize(w, x.dtype).T`, the dequantization in float32 inside the jitted step.
 Measured on XLA:CPU (jax 0.10.2, [1..16, 1024] @ [1024, 3072]): no formulation fuses the dequantization into the dot.
 Every variant, and even a plain bfloat16 dot (which XLA:CPU computes in float32), materializes one transient float32
 operand per matmul;
@@ -158,11 +158,6 @@ def leaf_shapes(out_features: int, in_features: int, bits: int) -> dict[str, tup
             "zero": ((out_features, groups), 1)}
 
 
-def integer_values(w: QuantizedWeight):
-    """The integer values [out, in] (int8 for 8 bits, uint8 0..15 for 4 bits), columns in stored (perm) order."""
-    return unpack_int4(w.values, w.scale.shape[-1]) if w.bits == 4 else w.values
-
-
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     """The [out, in] weight (values - zero) * scale, computed in float32 and cast to dtype (columns in stored order).
     int4 is unpacked straight into [out, groups, group] (each group's two runs side by side), which XLA:CPU fuses
@@ -185,15 +180,11 @@ def has_integer_product(w: QuantizedWeight) -> bool:
     return w.bits == 8 and w.zero is None and w.scale.shape[-1] == 1 and jax.default_backend() == "cpu"
 
 
-def permuted(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x's input features in w's stored column order (GPTQ desc_act), else x."""
-    return x if w.perm is None else jnp.take(x, w.perm, axis=-1)
-
-
 def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x @ W.T for a quantized W [out, in], in x's dtype: `int8_product` where it applies, else dequantize-then-matmul
     (see the module docstring for why)."""
-    x = permuted(x, w)
+    if w.perm is not None:  # the columns are stored in GPTQ's desc_act order
+        x = jnp.take(x, w.perm, axis=-1)
     if has_integer_product(w):
         return int8_product(x, w)
     return jnp.einsum("...k,nk->...n", x, dequantize(after(w, x), x.dtype))  # no transposed copy of the weight
@@ -210,8 +201,8 @@ def int8_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     transpose back), as `layers.linear` does for float weights.
 
     Measured per product, 16 distinct weights per call (2-core AMD EPYC, jax 0.10.2, `benchmarks/xla_cpu_matmul.py
-    --int8`), 1 / 8 rows: [3072, 1024] (down) 0.12 / 0.14 ms as W @ xq.T, 0.45 / 0.53 ms as xq @ W[in, out];
-    [1024, 3072] (gate) 0.14 / 0.17 vs 0.17 / 0.23; float32 takes 0.29 / 0.45 ms. The activation rounding is an
+    --suites int8,float`), 1 / 8 rows: down ([1024, 3072]) 0.11 / 0.14 ms as W @ xq.T, 0.40 / 0.44 ms as
+    xq @ W[in, out]; gate ([3072, 1024]) 0.11 / 0.15 vs 0.15 / 0.21; float32 takes 0.29-0.30 / 0.38-0.42 ms. The activation rounding is an
     extra error of at most half a step of each row's int8 grid (tests/test_quant.py bounds the logits' error).
     """
     shape = x.shape
