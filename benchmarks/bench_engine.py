@@ -41,11 +41,12 @@ from benchmarks.presets import PRESETS, build_preset  # noqa: E402
 from pocketjax.model.config import ModelConfig  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
-from pocketjax.engine.steps import Penalties, bucket, decode_step, sample_next  # noqa: E402
+from pocketjax.engine.plan import bucket, decode_at  # noqa: E402
+from pocketjax.engine.steps import decode_step, sample_step  # noqa: E402
 from pocketjax.model.kv_cache import init_cache  # noqa: E402
 from pocketjax.model.layers import ATTENTION_IMPLS  # noqa: E402
 from pocketjax.model.decoder import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams, pack_sampling  # noqa: E402
+from pocketjax.engine.sampling import SamplingParams  # noqa: E402
 
 DEFAULT_CACHE_DIR = "/tmp/pocketjax-bench"
 PEERS = ("transformers", "llamacpp")
@@ -315,36 +316,23 @@ def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: Simple
     """Where one decode step's time goes at concurrency c: the forward (of which lm_head), the sampler, the host.
 
     Interleaves, step by step, a real engine decode step over c requests with the engine's own jitted forward and
-    sampler called alone on a scratch cache of the same shapes (so they reuse the engine's compiled executables)
-    and `lm_head` alone on [rows, hidden]. host = engine step - forward - sampler: bookkeeping, packing, transfers.
+    sampler called alone on a scratch engine's cache (the plan the engine builds for c rows at this context, so
+    they run the engine's compiled executables) and `lm_head` alone on [rows, hidden].
+    host = engine step - forward - sampler: bookkeeping, packing, transfers.
     """
     cfg = model.config
-    rows = bucket(c, 1, engine.num_slots)
-    dense = rows == engine.num_slots
-    context = args.prompt_len
-    kv_len = bucket(context + 1, engine.config.min_kv_bucket, engine.max_seq_len) if engine.impl == "xla" \
-        else engine.max_seq_len
-    state = {"cache": init_cache(cfg.num_layers, engine.num_slots, cfg.num_kv_heads, engine.max_seq_len,
-                                 cfg.head_dim, model.dtype),
-             "penalties": Penalties.zeros(engine.num_slots, cfg.vocab_size)}
-    tokens = np.arange(2, 2 + rows, dtype=np.int32) % cfg.vocab_size
-    slots = np.arange(rows, dtype=np.int32) if dense else np.zeros(rows, np.int32)
-    slots[:c] = np.arange(c)
-    positions = np.full(rows, context, np.int32)
-    active = np.arange(rows) < c
-    sampling = pack_sampling([SamplingParams(temperature=0.0)] * rows, [0] * rows)
-    no_steps = np.zeros(rows, np.int32)
-    hidden = jnp.ones((rows, cfg.hidden_size), model.dtype)
+    scratch = Engine(model, engine.config)  # same rules, cache dtype and layout as the engine's
+    plan, sample = decode_at(scratch.rules, [args.prompt_len] * c, 0)
+    state = {"cache": scratch.cache, "penalties": scratch.penalties}
+    hidden = jnp.ones((plan.rows, cfg.hidden_size), model.dtype)
     head = jax.jit(lm_head)
 
     def forward():
-        state["cache"], logits = decode_step(model.params, state["cache"], tokens, slots, positions, active,
-                                             config=cfg, impl=engine.impl, kv_len=kv_len, dense=dense)
+        state["cache"], logits = decode_step(model.params, state["cache"], plan, config=cfg, impl=engine.impl)
         state["logits"] = logits.block_until_ready()
 
     def sampler():
-        state["penalties"], out = sample_next(state["penalties"], state["logits"], slots, active, no_steps,
-                                              sampling, num_top=0)
+        state["penalties"], out = sample_step(state["penalties"], state["logits"], sample)
         np.asarray(out.tokens)
 
     def head_only():

@@ -77,12 +77,9 @@ def decode_collectives(engine, rows: int) -> tuple[int, int]:
     """(count, result bytes) of the collectives XLA put in the compiled decode step for `rows` slots."""
     import numpy as np
 
-    from pocketjax.engine.steps import decode_step
+    from pocketjax.engine.plan import Signature
 
-    z = np.zeros(rows, np.int32)
-    hlo = decode_step.lower(engine.model.params, engine.cache, z, z, z, np.ones(rows, bool),
-                            config=engine.model.config, impl=engine.impl, kv_len=engine._kv_bucket(1),
-                            dense=rows == engine.num_slots).compile().as_text()
+    hlo = engine.lower(Signature("decode", rows, kv_len=engine.rules.kv_len(1))).compile().as_text()
     count = size = 0
     for dtype, dims, _ in COLLECTIVE.findall(hlo):
         count += 1

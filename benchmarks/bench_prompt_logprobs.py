@@ -27,7 +27,8 @@ from benchmarks.bench_engine import model_folder  # noqa: E402
 from benchmarks.presets import PRESETS  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.sampling import MAX_LOGPROBS  # noqa: E402
-from pocketjax.engine.steps import prefill_scored_step, prefill_step  # noqa: E402
+from pocketjax.engine.plan import PrefillPlan  # noqa: E402
+from pocketjax.engine.steps import prefill_step  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 
 VARIANTS = {"plain": None, "scored top-0": 0, f"scored top-{MAX_LOGPROBS}": MAX_LOGPROBS}
@@ -40,16 +41,14 @@ def time_variant(engine: Engine, num_top: int | None, c: int, length: int, repea
     slots, zeros = np.arange(c, dtype=np.int32), np.zeros(c, np.int32)
     lengths = np.full(c, length, np.int32)
     targets = np.concatenate([tokens[:, 1:], zeros[:, None]], axis=1)
-    step = dict(config=engine.model.config, impl=engine.impl, kv_len=engine._kv_bucket(length))
+    scored = dict(targets=targets, scored=np.ones(c, bool), num_top=num_top) if num_top is not None else {}
+    plan = PrefillPlan(tokens, slots, zeros, lengths, kv_len=engine.rules.kv_len(length), **scored)
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        if num_top is None:
-            engine.cache, out = prefill_step(engine.model.params, engine.cache, tokens, slots, zeros, lengths, **step)
-        else:
-            engine.cache, _, out = prefill_scored_step(engine.model.params, engine.cache, tokens, slots, zeros,
-                                                       lengths, targets, np.ones(c, bool), num_top=num_top, **step)
-        jax.block_until_ready(out)
+        engine.cache, logits, scores = prefill_step(engine.model.params, engine.cache, plan,
+                                                    config=engine.model.config, impl=engine.impl)
+        jax.block_until_ready(logits if scores is None else scores)
         if i:
             times.append(time.perf_counter() - start)
     return times

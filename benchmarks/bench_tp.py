@@ -33,7 +33,7 @@ from benchmarks.bench_engine import Prompts, engine_cycle, model_folder, parse_i
 from benchmarks.presets import PRESETS  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.model.memory import per_device_bytes  # noqa: E402
-from pocketjax.engine.steps import decode_step  # noqa: E402
+from pocketjax.engine.plan import Signature  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 from pocketjax.model.layers import ATTENTION_IMPLS  # noqa: E402
 
@@ -71,10 +71,7 @@ def resolve_args(argv: list[str] | None = None) -> SimpleNamespace:
 
 def all_reduces(engine: Engine, rows: int) -> int:
     """All-reduces in the compiled decode step for `rows` active slots (XLA inserts them; we count them)."""
-    c = engine.model.config
-    z = np.zeros(rows, np.int32)
-    hlo = decode_step.lower(engine.model.params, engine.cache, z, z, z, np.ones(rows, bool), config=c,
-                            impl=engine.impl, kv_len=engine._kv_bucket(1), dense=rows == engine.num_slots)
+    hlo = engine.lower(Signature("decode", rows, kv_len=engine.rules.kv_len(1)))
     ops = re.findall(r"= .+? (all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
                      hlo.compile().as_text())
     return ops.count("all-reduce")

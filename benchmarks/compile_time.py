@@ -33,6 +33,7 @@ from benchmarks.presets import preset_config  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.plan import Signature, StepRules, empty_plan  # noqa: E402
 from pocketjax.engine.steps import decode_step  # noqa: E402
 from pocketjax.model.checkpoint import nest, param_tensors  # noqa: E402
 from pocketjax.model.config import ModelConfig  # noqa: E402
@@ -73,11 +74,10 @@ def compile_seconds(layers: int, scan: bool) -> dict:
     config = ModelConfig.from_dict({**preset_config("qwen3-0.6b"), "num_hidden_layers": layers})
     c = config
     cache = jax.eval_shape(lambda: init_cache(layers, SLOTS, c.num_kv_heads, SEQ, c.head_dim, jnp.float32, scan))
-    rows = jax.ShapeDtypeStruct((SLOTS,), jnp.int32)
+    rules = StepRules(SLOTS, SEQ, SEQ, 16, SEQ, "xla", c.vocab_size)  # an engine of SLOTS slots x SEQ
     t0, c0 = time.perf_counter(), time.process_time()
-    lowered = decode_step.lower(abstract_params(config, scan), cache, rows, rows, rows,
-                                jax.ShapeDtypeStruct((SLOTS,), jnp.bool_), config=config, impl="xla", kv_len=SEQ,
-                                dense=True)
+    lowered = decode_step.lower(abstract_params(config, scan), cache,
+                                empty_plan(rules, Signature("decode", SLOTS, kv_len=SEQ)), config=config, impl="xla")
     t1, c1 = time.perf_counter(), time.process_time()
     lowered.compile()
     t2, c2 = time.perf_counter(), time.process_time()

@@ -42,8 +42,9 @@ from benchmarks.presets import PRESETS, build_preset  # noqa: E402
 from pocketjax.engine.config import EngineConfig  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import RequestStatus  # noqa: E402
-from pocketjax.engine.steps import bucket, decode_step, sample_next  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams, pack_sampling  # noqa: E402
+from pocketjax.engine.plan import decode_at  # noqa: E402
+from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.steps import decode_step, sample_step  # noqa: E402
 from pocketjax.serve.scheduler import Scheduler  # noqa: E402
 
 # A bigger sibling of the tests' tiny Qwen3 so the device step, not Python, dominates a step (it still runs on CPU).
@@ -132,26 +133,15 @@ def device_step_s(scratch: Engine, positions: list[int], steps: int) -> float:
     len(positions) rows, `steps` times back to back, each fed the previous step's tokens on device, one block at the
     end. Rows start at `positions` (where the measured loop's requests are), so attention reads the same lengths.
     `scratch` is an engine of the same configuration whose cache may be overwritten (same compiled executables)."""
-    model, n = scratch.model, len(positions)
-    rows = bucket(n, 1, scratch.num_slots)
-    dense = rows == scratch.num_slots
-    slots = np.arange(rows, dtype=np.int32) if dense else np.zeros(rows, np.int32)
-    slots[:n] = np.arange(n)
-    active = np.arange(rows) < n
-    start = np.zeros(rows, np.int32)
-    start[:n] = positions
-    sampling = pack_sampling([SamplingParams(temperature=0.0)] * rows, [0] * rows)
+    model = scratch.model
 
-    def step(tokens, k: int):
-        pos = np.where(active, start + k, 0).astype(np.int32)
-        scratch.cache, logits = decode_step(model.params, scratch.cache, tokens, slots, pos, active,
-                                            config=model.config, impl=scratch.impl,
-                                            kv_len=scratch._kv_bucket(int(pos.max()) + 1), dense=dense)
-        scratch.penalties, out = sample_next(scratch.penalties, logits, slots, active, np.full(rows, k, np.int32),
-                                             sampling, num_top=0)
+    def step(tokens, k: int):  # the plan the engine builds for these rows, k positions on
+        plan, sample = decode_at(scratch.rules, [p + k for p in positions], k, tokens)
+        scratch.cache, logits = decode_step(model.params, scratch.cache, plan, config=model.config, impl=scratch.impl)
+        scratch.penalties, out = sample_step(scratch.penalties, logits, sample)
         return out.tokens
 
-    tokens = jax.block_until_ready(step(jax.block_until_ready(step(np.ones(rows, np.int32), 0)), 1))  # warm
+    tokens = jax.block_until_ready(step(jax.block_until_ready(step(None, 0)), 1))  # warm
     t0 = time.perf_counter()
     for k in range(2, 2 + steps):
         tokens = step(tokens, k)

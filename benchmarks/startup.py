@@ -58,7 +58,6 @@ def child(args: argparse.Namespace) -> dict:
 
     import pocketjax as pj
     from pocketjax.engine.request import BatchedRequest
-    from pocketjax.engine.warmup import warmup
 
     t1 = time.perf_counter()
     model = pj.load_model(args.model, dtype=args.dtype,
@@ -67,7 +66,7 @@ def child(args: argparse.Namespace) -> dict:
     engine = pj.Engine(model, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
                        compile_cache_dir=args.child)
     t3 = time.perf_counter()
-    shapes = warmup(engine, progress=False) if args.child_warmup else 0
+    shapes = engine.warmup(progress=False) if args.child_warmup else 0
     t4 = time.perf_counter()
     prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, args.prompt_len).tolist()
     req = BatchedRequest(0, prompt, pj.SamplingParams(max_tokens=1, temperature=0.0))

@@ -316,7 +316,7 @@ def test_one_slot_decode_never_copies_the_cache(qwen3):
     layer's cache several times per step once attention reads all of it (kv bucket == max_seq_len)."""
     import re
 
-    from pocketjax.engine.steps import decode_step
+    from pocketjax.engine.plan import Signature
 
     _, model = qwen3
     engine = Engine(model, max_batch_size=1, max_seq_len=128)  # the smallest kv bucket is the whole cache
@@ -327,9 +327,7 @@ def test_one_slot_decode_never_copies_the_cache(qwen3):
     engine.decode_collect(step)
     assert step.dense is False
     c = model.config
-    rows = (np.zeros(1, np.int32),) * 2 + (np.full(1, 20, np.int32), np.ones(1, bool))
     shape = rf"f32\[1,{c.num_kv_heads},128,{c.head_dim}\]"
-    hlo = decode_step.lower(model.params, engine.cache, *rows, config=c, impl="xla", kv_len=128,
-                            dense=False).compile().as_text()
+    hlo = engine.lower(Signature("decode", rows=1, kv_len=128)).compile().as_text()
     assert len(re.findall(shape + r"\S* parameter\(", hlo)) >= 2 * c.num_layers  # the pattern sees the cache
     assert not re.findall(shape + r"\S* copy\(", hlo)  # (dense=True: 8 copies per layer with jax 0.10.2)

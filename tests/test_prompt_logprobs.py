@@ -10,7 +10,7 @@ import transformers
 
 import pocketjax as pj
 from pocketjax.engine.request import BatchedRequest
-from pocketjax.engine.warmup import signatures
+from pocketjax.engine.plan import signatures
 from pocketjax.errors import RequestError, SamplingError
 from pocketjax.serve.llm import DEFAULT_MODEL
 
@@ -187,7 +187,7 @@ def test_warmup_covers_the_scored_prefill_when_asked(model):
     # one slot of 16 positions: 8 signatures (prefill, its scored variant, 2 samplers, 3 decodes... of one shape)
     options = dict(max_batch_size=1, max_seq_len=16, prefill_chunk=16, min_kv_bucket=16, compile_cache_dir="off")
     engine = pj.Engine(model, **options)
-    plain, scored = signatures(engine), signatures(engine, prompt_logprobs=True)
+    plain, scored = signatures(engine.rules), signatures(engine.rules, prompt_logprobs=True)
     prefill = [c for c in plain if c.step == "prefill"]
     assert [c for c in scored if c.step == "prefill_scored"] == [c._replace(step="prefill_scored") for c in prefill]
     assert set(scored) - set(plain) == {c._replace(step="prefill_scored") for c in prefill}

@@ -18,6 +18,7 @@ from pocketjax.model import sharding
 from pocketjax.model.config import ModelConfig
 from pocketjax.engine.engine import Engine
 from pocketjax.model.memory import per_device_bytes
+from pocketjax.engine.plan import DecodePlan, PrefillPlan, Signature
 from pocketjax.engine.steps import decode_step, prefill_step
 from pocketjax.errors import ConfigError
 from pocketjax.engine.sampling import SamplingParams
@@ -118,9 +119,8 @@ def test_engine_greedy_tp2_equals_tp1(load, reference_tokens, name, impl):
     heads = P(None, "tp") if model.config.num_kv_heads % 2 == 0 else P()
     assert all(a.sharding.spec == heads and len(a.addressable_shards) == 2 for a in engine.cache.k + engine.cache.v)
     if impl == "xla":  # XLA inserted exactly the Megatron collectives: 2 all-reduces of [rows, 1, hidden] a layer,
-        c, z = model.config, np.zeros(4, np.int32)  # plus 1 for the vocab-parallel embedding lookup; no gathers
-        compiled = decode_step.lower(model.params, engine.cache, z, z, z, z > 0, config=c, impl=impl, kv_len=64,
-                                     dense=True).compile()
+        c = model.config  # plus 1 for the vocab-parallel embedding lookup; no gathers
+        compiled = engine.lower(Signature("decode", 4, kv_len=64)).compile()
         collectives = count_collectives(compiled.as_text())
         # the row-parallel products reduce [hidden, rows] (computed as w @ x.T on CPU, see layers.linear)
         assert collectives == {("all-reduce", f"f32[4,1,{c.hidden_size}]{{2,1,0}}"): 1,
@@ -153,10 +153,11 @@ def test_dp_tp_mesh_prefill_and_decode(load, mesh):
     slots, zeros = np.arange(4, dtype=np.int32), np.zeros(4, np.int32)
     cache = sharding.init_sharded_cache(model.mesh, c.num_layers, 4, c.num_kv_heads, 64, c.head_dim, model.dtype)
     # 1x2 runs the kernels (shard_map manual over "tp" only, "dp" left to XLA); 2x1 the XLA attention
-    steps = dict(config=c, impl="pallas_interpret" if mesh == "1x2" else "xla", kv_len=64)
-    cache, first = prefill_step(model.params, cache, tokens, slots, zeros, lengths, **steps)
+    steps = dict(config=c, impl="pallas_interpret" if mesh == "1x2" else "xla")
+    cache, first, _ = prefill_step(model.params, cache, PrefillPlan(tokens, slots, zeros, lengths, kv_len=64), **steps)
     after = np.asarray(first).argmax(-1).astype(np.int32)
-    cache, second = decode_step(model.params, cache, after, slots, lengths, lengths > 0, dense=True, **steps)
+    cache, second = decode_step(model.params, cache, DecodePlan(after, slots, lengths, lengths > 0, kv_len=64,
+                                                                dense=True), **steps)
     layer = NamedSharding(model.mesh, P("dp", "tp"))  # 1x2: kv heads split; 2x1: slots split (dp of size 1 = P())
     assert all(a.sharding.is_equivalent_to(layer, 4) for a in cache.k + cache.v)
     assert cache.lengths.sharding.is_equivalent_to(NamedSharding(model.mesh, P("dp")), 1)

@@ -2,7 +2,8 @@
 import jax.numpy as jnp
 import numpy as np
 
-from pocketjax.engine.steps import Penalties, bucket
+from pocketjax.engine.plan import bucket
+from pocketjax.engine.steps import Penalties
 
 
 def test_penalties_restart_and_count_address_slots_and_drop_padding():

@@ -6,7 +6,7 @@ import pytest
 import pocketjax as pj
 from pocketjax.engine.request import BatchedRequest
 from pocketjax.engine.steps import STEP_FUNCTIONS
-from pocketjax.engine.warmup import Signature, signatures, warmup
+from pocketjax.engine.plan import Signature, signatures
 
 from test_engine import run
 
@@ -21,7 +21,7 @@ def model(hf_checkpoint):
 
 
 def test_signatures_follow_the_engines_buckets(model):
-    calls = signatures(pj.Engine(model, **OPTIONS))
+    calls = signatures(pj.Engine(model, **OPTIONS).rules)
     prefill = [(c.width, c.kv_len) for c in calls if c.step == "prefill" and c.rows == 1]
     # a chunk of 33..48 tokens ends at position 33 or later: never attends over only 32
     assert prefill == [(16, 32), (16, 64), (16, 96), (32, 32), (32, 64), (32, 96), (48, 64), (48, 96)]
@@ -30,9 +30,10 @@ def test_signatures_follow_the_engines_buckets(model):
                                                                                for t in (0, 20)}
     assert [c.kv_len for c in calls if c.step == "decode_fed" and c.rows == 3] == [32, 64, 96]
     assert calls[-1] == Signature("copy_prefix") and len(calls) == len(set(calls))
-    pallas = signatures(pj.Engine(model, **{**OPTIONS, "attention_impl": "pallas_interpret"}))
+    pallas = signatures(pj.Engine(model, **{**OPTIONS, "attention_impl": "pallas_interpret"}).rules)
     assert {c.kv_len for c in pallas if c.kv_len} == {96}  # the kernels always read max_seq_len
-    assert not any(c.step == "copy_prefix" for c in signatures(pj.Engine(model, **{**OPTIONS, "max_batch_size": 1})))
+    one_slot = pj.Engine(model, **{**OPTIONS, "max_batch_size": 1})
+    assert not any(c.step == "copy_prefix" for c in signatures(one_slot.rules))
 
 
 def run_until_done(sched: pj.Scheduler) -> None:
@@ -45,8 +46,8 @@ def test_after_warmup_a_mixed_workload_compiles_nothing(model):
     engine = pj.Engine(model, **OPTIONS)
     for f in STEP_FUNCTIONS:  # other tests' engines share the step functions: count from nothing
         f.clear_cache()
-    assert warmup(engine, progress=False) == len(signatures(engine))  # each call one new signature, none dead
-    assert warmup(engine, progress=False) == 0
+    assert engine.warmup(progress=False) == len(signatures(engine.rules))  # each call one new signature, none dead
+    assert engine.warmup(progress=False) == 0
     compiled = engine.compiled_count()
 
     rng = np.random.default_rng(0)
@@ -86,7 +87,7 @@ def test_warmup_on_a_mesh_covers_the_state_in_its_sharded_form(hf_checkpoint):
     """tp=2 over the two CPU devices: the sampler hands the penalties back replicated over the mesh."""
     sharded = pj.load_model(hf_checkpoint("qwen3_gqa4_headdim"), tp=2)
     engine = pj.Engine(sharded, max_batch_size=2, max_seq_len=32, prefill_chunk=16, compile_cache_dir="off")
-    warmup(engine, progress=False)
+    engine.warmup(progress=False)
     compiled = engine.compiled_count()
     sched = pj.Scheduler(engine)
     handles = [sched.submit([1, 2, 3], pj.SamplingParams(max_tokens=3))]  # alone: warm-up's first sampler shape
@@ -112,7 +113,7 @@ def test_warmup_leaves_slots_cache_and_penalties_as_they_were(model, capsys):
     engine.batch_decode_step(reqs)
     engine.free_slot(0, "length")  # slot 0 free with its tokens cached; slot 1 held mid-request
     before = host_state(engine)
-    warmup(engine)
+    engine.warmup()
     assert "pocketjax warm-up" in capsys.readouterr().err  # the progress bar
     after = host_state(engine)
     assert jax.tree.all(jax.tree.map(np.array_equal, before[0], after[0]))

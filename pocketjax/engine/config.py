@@ -42,9 +42,10 @@ class EngineConfig:
     min_kv_bucket: int = 128
     min_prefill_bucket: int = 16
     kv_dtype: str | None = None  # None: the model's dtype; "int8" / "float8_e4m3fn": quantized with scales
-    # JAX's persistent compilation cache, kept across processes. None: the per-user folder
+    # JAX's persistent compilation cache, kept across processes (process-wide). A folder: an Engine turns it on
+    # there. None: an Engine leaves JAX's settings alone, while LLM / the CLI / the server use the per-user folder
     # ($XDG_CACHE_HOME/pocketjax/xla, else ~/.cache/pocketjax/xla) unless JAX's own cache folder is already set;
-    # "off": none (JAX's setting is left alone); any other string: that folder.
+    # "off": none anywhere (JAX's setting is left alone).
     compile_cache_dir: str | None = None
 
     @classmethod

@@ -24,13 +24,14 @@ from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
 from ..model.memory import check_fits, plan_memory
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
-from .config import EngineConfig, use_compile_cache
+from .config import OFF, EngineConfig, use_compile_cache
+from .plan import (DecodePlan, SamplePlan, Signature, StepRules, decode_after, decode_from_host, empty_plan,
+                   prefill_plans, scored_positions)
 from .request import BatchedRequest, RequestStatus
-from .sampling import MAX_LOGPROBS, SampleOutput, SamplingParams, pack_sampling
+from .sampling import SampleOutput, SamplingParams
 from .slots import SlotTable
-from .steps import (STEP_FUNCTIONS, Penalties, bucket, copy_slot_prefix, decode_step, prefill_scored_step,
-                    prefill_step, sample_first, sample_next)
-from .warmup import warmup as warm_up
+from .steps import Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step
+from .warmup import compiled_count, warmup as warm_up
 
 
 @dataclass(eq=False)
@@ -42,10 +43,8 @@ class PendingDecode:
 
     requests: list[BatchedRequest]  # as given to decode_dispatch: the order of decode_collect's result
     rows: list[BatchedRequest | None]  # row i's request; None: padding, or a request left out of this step
-    slots: np.ndarray  # int32 [rows]
-    positions: np.ndarray  # int32 [rows]: where each row's input token goes in its slot
-    steps: np.ndarray  # int32 [rows]: index of the token each row generates (the sampler's key is (seed, step))
-    dense: bool  # row i is slot i for every slot
+    plan: DecodePlan  # the forward step's inputs
+    sample: SamplePlan  # the sampler's
     out: SampleOutput | None = None  # None when no row was active (nothing was dispatched) or once collected
     previous: PendingDecode | None = None  # the step whose tokens fed this one, until this one is collected
     results: list[int | None] | None = None  # set by decode_collect
@@ -53,6 +52,10 @@ class PendingDecode:
     @property
     def collected(self) -> bool:
         return self.results is not None
+
+    @property
+    def dense(self) -> bool:
+        return self.plan.dense
 
     def continues(self, requests: Sequence[BatchedRequest]) -> bool:
         """True when every unfinished request has a row here, so a next step can read its input tokens on device."""
@@ -98,7 +101,8 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig | None = None, *, seed: int = 0, **options: Any):
         self.model = model
         self.config = EngineConfig.of(config, **options)
-        use_compile_cache(self.config.compile_cache_dir)
+        if self.config.compile_cache_dir not in (None, OFF):  # asked for: process-wide, as JAX's cache is
+            use_compile_cache(self.config.compile_cache_dir)
         self.impl = resolve_impl(self.config.attention_impl, self.config.kv_dtype)
         self.eos_ids = read_eos_ids(model)
         self.rng = np.random.default_rng(seed)
@@ -125,6 +129,13 @@ class Engine:
     @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
+
+    @property
+    def rules(self) -> StepRules:
+        """How this engine buckets its step calls (`plan.StepRules`): what warm-up and benchmarks plan with."""
+        cfg = self.config
+        return StepRules(self.num_slots, cfg.max_seq_len, cfg.prefill_chunk, cfg.min_prefill_bucket,
+                         cfg.min_kv_bucket, self.impl, self.model.config.vocab_size)
 
     def allocate_batch_slots(self, n: int) -> None:
         """(Re)allocate the KV cache with n slots; refused while any slot is held."""
@@ -233,21 +244,6 @@ class Engine:
                                     f"shape and dtype {x.shape} {x.dtype}, got {got}")
         self.checked_hooks.add(hook)
 
-    @staticmethod
-    def _hooks(rows: Sequence[BatchedRequest | None], size: int) -> tuple[tuple, dict[str, Any]]:
-        """The extra (positional, keyword) arguments of a forward step for its rows' hooks: none when no row has
-        one (the step then compiles exactly as without hooks), else the per-row selector int32 [size] and the
-        static tuple of distinct hooks (ordered by id, so the same set reuses its programs whatever the rows)."""
-        found = {r.sampling.hook for r in rows if r is not None and r.sampling.hook is not None}
-        if not found:
-            return (), {}
-        hooks = tuple(sorted(found, key=id))
-        selector = np.zeros(size, np.int32)
-        for i, r in enumerate(rows):
-            if r is not None and r.sampling.hook is not None:
-                selector[i] = hooks.index(r.sampling.hook) + 1
-        return (selector,), {"hooks": hooks}
-
     def _slot(self, req: BatchedRequest) -> int:
         """The slot req holds (registering req as its holder when it was allocated by id)."""
         slot = self.slots.slot_of(req.request_id)
@@ -273,7 +269,8 @@ class Engine:
                                          or token_budget < 1):
             raise RequestError(f"token_budget must be None or an int >= 1, got {token_budget!r}")
         for req in batch(requests):
-            self.validate(req)
+            if self.requests.get(req.request_id) is not req:  # checked once, when the engine first sees it
+                self.validate(req)
             self._slot(req)
             if req.seed is None:
                 req.seed = req.sampling.seed if req.sampling.seed is not None else int(self.rng.integers(2**32))
@@ -299,75 +296,32 @@ class Engine:
         return chunks
 
     def _prefill_call(self, chunks: list[tuple[BatchedRequest, int]], results: dict[int, int]) -> None:
-        cfg = self.config
-        rows = bucket(len(chunks), 1, self.num_slots)
-        width = bucket(max(n for _, n in chunks), cfg.min_prefill_bucket, cfg.prefill_chunk)
-        vocab = self.model.config.vocab_size
-        tokens = np.zeros((rows, width), np.int32)
-        slots = np.zeros(rows, np.int32)  # padding rows read slot 0 but write nothing: length 0, never final
-        starts = np.zeros(rows, np.int32)
-        lengths = np.zeros(rows, np.int32)
-        final = np.zeros(rows, bool)
-        masks = np.zeros((rows, vocab), bool)
-        for i, (req, n) in enumerate(chunks):
-            begin = req.num_prefilled
-            tokens[i, :n] = req.prompt_tokens[begin: begin + n]
-            slots[i], starts[i], lengths[i] = req.slot_id, begin, n
-            final[i] = begin + n == len(req.prompt_tokens)
-            if final[i]:
-                masks[i, np.asarray(req.prompt_tokens)] = True
-        kv_len = self._kv_bucket(int((starts + lengths).max()))
-        sampling = pack_sampling([r.sampling for r, _ in chunks], [r.seed for r, _ in chunks], pad_to=rows)
-        num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r, _ in chunks) else 0
-        targets, counts = self._prompt_targets(chunks, rows, width)
-        hook_args, hook_static = self._hooks([r for r, _ in chunks], rows)
-        step = dict(config=self.model.config, impl=self.impl, kv_len=kv_len, **hook_static)
-        prompt_out = None
-        if counts.any():  # only a chunk with a row that asked pays for every position's logits
-            self.cache, logits, prompt_out = prefill_scored_step(
-                self.model.params, self.cache, tokens, slots, starts, lengths, targets, counts > 0, *hook_args,
-                num_top=MAX_LOGPROBS, **step)
-        else:
-            self.cache, logits = prefill_step(self.model.params, self.cache, tokens, slots, starts, lengths,
-                                              *hook_args, **step)
+        for req, _ in chunks:
+            if req.sampling.prompt_logprobs is not None and req.num_prefilled == 0:
+                req.prompt_logprobs = [None]  # the first prompt token has no context
+        plan, first = prefill_plans(self.rules, chunks)
+        self.cache, logits, prompt_out = prefill_step(self.model.params, self.cache, plan, config=self.model.config,
+                                                      impl=self.impl)
         for req, n in chunks:
             self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
             req.num_prefilled += n
-        if final.any():  # queued before the prompt logprobs are read, so the device samples while the host waits
-            self.penalties, out = sample_first(self.penalties, logits, slots, final, masks, sampling,
-                                               num_top=num_top)
+        if first is not None:  # queued before the prompt logprobs are read, so the device samples while the host waits
+            self.penalties, out = sample_step(self.penalties, logits, first)
         if prompt_out is not None:
-            self._deliver_prompt_logprobs(chunks, counts, prompt_out)
-        if final.any():
-            self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if final[i]], out, results)
+            self._deliver_prompt_logprobs(chunks, prompt_out)
+        if first is not None:
+            self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if first.rows_on[i]], out, results)
 
     @staticmethod
-    def _prompt_targets(chunks: list[tuple[BatchedRequest, int]], rows: int, width: int
-                        ) -> tuple[np.ndarray, np.ndarray]:
-        """For rows that asked for prompt logprobs: the prompt token after each chunk position (int32 [rows,
-        width]; a chunk's last position scores the first token of the next chunk) and how many positions of each
-        row score one (int32 [rows]; the prompt's last token scores nothing: it yields the first generated one)."""
-        targets = np.zeros((rows, width), np.int32)
-        counts = np.zeros(rows, np.int32)
-        for i, (req, n) in enumerate(chunks):
-            if req.sampling.prompt_logprobs is None:
-                continue
-            begin = req.num_prefilled
-            if begin == 0:
-                req.prompt_logprobs = [None]  # the first prompt token has no context
-            following = req.prompt_tokens[begin + 1: begin + n + 1]
-            targets[i, :len(following)] = following
-            counts[i] = len(following)
-        return targets, counts
-
-    @staticmethod
-    def _deliver_prompt_logprobs(chunks: list[tuple[BatchedRequest, int]], counts: np.ndarray,
-                                 out: SampleOutput) -> None:
-        """Append each row's `counts` prompt-token logprobs to its request (one transfer for the chunk)."""
+    def _deliver_prompt_logprobs(chunks: list[tuple[BatchedRequest, int]], out: SampleOutput) -> None:
+        """Append each scored row's prompt-token logprobs to its request (one transfer for the chunk): one per
+        chunk position that has a following prompt token."""
         out = to_host(out)  # every process reads the same whole rows, even with dp across hosts
-        for i, (req, _) in enumerate(chunks):
+        for i, (req, n) in enumerate(chunks):
             k = req.sampling.prompt_logprobs
-            req.prompt_logprobs += [logprob_entry(out, (i, t), k) for t in range(counts[i])]
+            if k is not None:
+                scored = scored_positions(req, req.num_prefilled - n, n)  # (num_prefilled already counts the chunk)
+                req.prompt_logprobs += [logprob_entry(out, (i, t), k) for t in range(scored)]
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def batch_decode_step(self, requests: Sequence[BatchedRequest]) -> list[int | None]:
@@ -392,10 +346,10 @@ class Engine:
             busy = [r.request_id for r in running if r.in_flight]
             if busy:
                 raise RequestError(f"requests {busy} have a decode step in flight: collect it, or pass it as after=")
-            return self._dispatch(*self._fed_from_host(requests, running))
+            return self._dispatch(self._fed_from_host(requests, running))
         if after.collected or not after.continues(running):
             raise RequestError("after= must be an uncollected step with a row for every unfinished request")
-        return self._dispatch(*self._fed_on_device(after, requests, running))
+        return self._dispatch(self._fed_on_device(after, requests, running))
 
     def decode_collect(self, step: PendingDecode) -> list[int | None]:
         """Read a dispatched step's tokens (the one host sync) into its requests; returns each request's new token,
@@ -420,66 +374,33 @@ class Engine:
         step.results, step.out = [results.get(id(r)) for r in step.requests], None
         return step.results
 
-    def _fed_from_host(self, requests: Sequence[BatchedRequest], running: list[BatchedRequest]
-                       ) -> tuple[PendingDecode, np.ndarray]:
-        """A step over `running` and its input tokens, read from the requests."""
-        rows = bucket(len(running), 1, self.num_slots)
-        # One slot reads it through the gather path: with its only row, XLA:CPU turns the cache write into a
-        # select over a dynamic-update-slice and copies every layer's cache 8 times per step once attention reads
-        # all of it (Qwen3-0.6B shapes, kv bucket == max_seq_len: 182 ms vs 139 ms gathered; 114-130 ms both below).
-        dense = rows == self.num_slots > 1
-        if dense:  # row i is slot i: attention reads the cache without gathering rows
-            order = {r.slot_id: r for r in running}
-            row_reqs = [order.get(s) for s in range(rows)]
-        else:
-            row_reqs = running + [None] * (rows - len(running))
-        tokens = np.zeros(rows, np.int32)
-        slots = np.arange(rows, dtype=np.int32) if dense else np.zeros(rows, np.int32)
-        positions = np.zeros(rows, np.int32)
-        steps = np.zeros(rows, np.int32)
-        for i, req in enumerate(row_reqs):
-            if req is not None:
-                tokens[i], slots[i], positions[i] = req.last_token, req.slot_id, len(self.slots.tokens[req.slot_id])
-                steps[i] = len(req.generated_tokens)
-        return PendingDecode(list(requests), row_reqs, slots, positions, steps, dense), tokens
+    def _fed_from_host(self, requests: Sequence[BatchedRequest], running: list[BatchedRequest]) -> PendingDecode:
+        """A step over `running`, its input tokens read from the requests."""
+        rows, plan, sample = decode_from_host(self.rules, running, lambda slot: len(self.slots.tokens[slot]))
+        return PendingDecode(list(requests), rows, plan, sample)
 
     def _fed_on_device(self, after: PendingDecode, requests: Sequence[BatchedRequest],
-                       running: list[BatchedRequest]) -> tuple[PendingDecode, jax.Array | None]:
+                       running: list[BatchedRequest]) -> PendingDecode:
         """`after`'s rows, one position and one step further, minus requests its tokens end by length; its
         sampled tokens (on device) as the input."""
-        going = {id(r) for r in running if not self._reaches_length(r, len(r.generated_tokens) + r.in_flight)}
-        rows = [r if r is not None and id(r) in going else None for r in after.rows]
-        active = np.array([r is not None for r in rows])
-        step = PendingDecode(list(requests), rows, after.slots, np.where(active, after.positions + 1, 0),
-                             np.where(active, after.steps + 1, 0), after.dense, previous=after)
-        return step, after.out.tokens if after.out is not None else None
+        keep = [r for r in running if not self._reaches_length(r, len(r.generated_tokens) + r.in_flight)]
+        tokens = after.out.tokens if after.out is not None else None
+        rows, plan, sample = decode_after(self.rules, after.rows, after.plan, after.sample, keep, tokens)
+        return PendingDecode(list(requests), rows, plan, sample, previous=after)
 
-    def _dispatch(self, step: PendingDecode, tokens) -> PendingDecode:
+    def _dispatch(self, step: PendingDecode) -> PendingDecode:
         """Queue the forward pass and the sampler over `step`'s rows (nothing when no row is active)."""
         present = [r for r in step.rows if r is not None]
         if not present:
             return step
-        active = np.array([r is not None for r in step.rows])
-        kv_len = self._kv_bucket(int(step.positions.max()) + 1)
-        sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in step.rows],
-                                 [r.seed if r else 0 for r in step.rows])
-        num_top = MAX_LOGPROBS if any(r.sampling.logprobs for r in present) else 0
-        hook_args, hook_static = self._hooks(step.rows, len(step.rows))
-        self.cache, logits = decode_step(self.model.params, self.cache, tokens, step.slots, step.positions, active,
-                                         *hook_args, config=self.model.config, impl=self.impl, kv_len=kv_len,
-                                         dense=step.dense, **hook_static)
-        self.penalties, step.out = sample_next(self.penalties, logits, step.slots, active, step.steps, sampling,
-                                               num_top=num_top)
+        self.cache, logits = decode_step(self.model.params, self.cache, step.plan, config=self.model.config,
+                                         impl=self.impl)
+        self.penalties, step.out = sample_step(self.penalties, logits, step.sample)
         for r in present:
             r.in_flight += 1
         return step
 
     # ---- shared --------------------------------------------------------------------------------------------------
-    def _kv_bucket(self, needed: int) -> int:
-        if self.impl != "xla":
-            return self.max_seq_len  # the kernels skip blocks past each slot's length themselves
-        return bucket(needed, self.config.min_kv_bucket, self.max_seq_len)
-
     def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
         """Move sampled tokens to the host (one transfer) and append them to their requests; end finished ones."""
         out = to_host(out)
@@ -502,11 +423,31 @@ class Engine:
         return generated >= req.sampling.max_tokens or len(req.prompt_tokens) + generated >= self.max_seq_len
 
     def warmup(self, progress: bool = True, prompt_logprobs: bool = False) -> int:
-        """Compile every step shape this engine can call (`warmup.signatures`), so no request waits for a compile;
+        """Compile every step shape this engine can call (`plan.signatures`), so no request waits for a compile;
         returns how many were new. Run it while nothing else drives the engine, and again after
         `allocate_batch_slots`. `prompt_logprobs` also compiles the prefill variant that scores prompt tokens
-        (otherwise compiled on first use)."""
-        return warm_up(self, progress=progress, prompt_logprobs=prompt_logprobs)
+        (otherwise compiled on first use). Slots, their cached tokens and the penalty state are unchanged."""
+        self.cache, self.penalties, new = warm_up(self.model.params, self.cache, self.penalties,
+                                                  config=self.model.config, rules=self.rules, progress=progress,
+                                                  prompt_logprobs=prompt_logprobs)
+        return new
+
+    def lower(self, signature: Signature) -> jax.stages.Lowered:
+        """This engine's own program for `signature` (a `plan.Signature`), lowered on its params, cache and penalty
+        state: what HLO checks and benchmarks inspect (`.compile().as_text()`), by construction the program a call
+        of that shape runs. A "decode_fed" signature is lowered host-fed (the same executable, `compiled_count`)."""
+        step = dict(config=self.model.config, impl=self.impl)
+        if signature.step in ("prefill", "prefill_scored"):
+            return prefill_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
+        if signature.step in ("decode", "decode_fed"):
+            return decode_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
+        if signature.step in ("sample_first", "sample_next"):
+            logits = jax.ShapeDtypeStruct((signature.rows, self.model.config.vocab_size), self.model.dtype)
+            return sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
+        if signature.step == "copy_prefix":
+            return copy_slot_prefix.lower(self.cache, np.int32(0), np.int32(0), np.int32(0))
+        raise RequestError(f"no step {signature.step!r} (a plan.Signature names prefill, prefill_scored, decode, "
+                           f"decode_fed, sample_first, sample_next or copy_prefix)")
 
     def compiled_count(self) -> int:
         """How many call signatures the step functions hold so far (a steady workload must not add any).
@@ -515,4 +456,4 @@ class Engine:
         compiled for the host-fed step. Requests with `SamplingParams.hook` add signatures too: every distinct set of
         hooks in a step compiles its own prefill and decode programs, which `warmup` cannot know in advance.
         """
-        return sum(f._cache_size() for f in STEP_FUNCTIONS)
+        return compiled_count()

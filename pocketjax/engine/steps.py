@@ -3,7 +3,8 @@
 Each takes everything it reads as arguments and returns the updated state; the cache (and the penalty state) is
 donated, so XLA updates it in place and no step copies it. The forward steps and the sampler are separate jitted
 calls, chained on device without a host sync: the sampler then compiles once per batch bucket instead of once per
-(batch, chunk, attention length) shape. Every shape comes from `bucket`.
+(batch, chunk, attention length) shape. Each step takes `(params, cache, plan)`: the plan (`plan.py`) carries the
+per-call arrays and static choices, so `config` and `impl` are the only static arguments left.
 """
 from __future__ import annotations
 
@@ -17,15 +18,8 @@ from jax import lax
 from ..model.config import ModelConfig
 from ..model.decoder import Hook, Params, decode_forward, lm_head, prefill_forward
 from ..model.kv_cache import KVCache, copy_prefix
-from .sampling import SampleOutput, SamplingArrays, sample, token_logprobs
-
-
-def bucket(n: int, smallest: int, largest: int) -> int:
-    """The compiled size for n: the next power of two >= max(n, smallest), capped at `largest`."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return min(size, largest)
+from .plan import DecodePlan, PrefillPlan, SamplePlan
+from .sampling import SampleOutput, sample, token_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -77,27 +71,22 @@ def row_hooks(hooks: tuple[Hook, ...], selector: jax.Array | None) -> Hook | Non
     return hook
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "hooks"), donate_argnames=("cache",))
-def prefill_step(params, cache: KVCache, tokens, slots, starts, lengths, selector=None, *, config: ModelConfig,
-                 impl: str, kv_len: int, hooks: tuple[Hook, ...] = ()) -> tuple[KVCache, jax.Array]:
-    """Write one prompt chunk per row into the cache; logits [B, vocab] of each row's last chunk token.
-    `hooks` / `selector` int32 [B]: per-row intervention hooks (`row_hooks`)."""
-    return prefill_forward(params, config, impl, kv_len, cache, tokens, slots, starts, lengths,
-                           hook=row_hooks(hooks, selector))
+@partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
+def prefill_step(params, cache: KVCache, plan: PrefillPlan, *, config: ModelConfig, impl: str
+                 ) -> tuple[KVCache, jax.Array, SampleOutput | None]:
+    """Write one prompt chunk per row into the cache; logits [B, vocab] of each row's last chunk token, and with
+    `plan.targets` each position's log-probability of the token after it (`score_positions`; None otherwise).
 
-
-@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "num_top", "hooks"), donate_argnames=("cache",))
-def prefill_scored_step(params, cache: KVCache, tokens, slots, starts, lengths, targets, scored, selector=None, *,
-                        config: ModelConfig, impl: str, kv_len: int, num_top: int, hooks: tuple[Hook, ...] = ()
-                        ) -> tuple[KVCache, jax.Array, SampleOutput]:
-    """`prefill_step`, plus each position's log-probability of the token after it (`score_positions`).
-
-    A variant of its own, called only for chunks where some row asked for prompt logprobs: the plain step never
-    computes the [T, vocab] logits of every position.
+    Scoring is a variant of its own (another treedef, so another program), run only for chunks where some row asked
+    for prompt logprobs: the plain step never computes the [T, vocab] logits of every position.
     """
-    cache, logits, hidden = prefill_forward(params, config, impl, kv_len, cache, tokens, slots, starts, lengths,
-                                            return_hidden=True, hook=row_hooks(hooks, selector))
-    return cache, logits, score_positions(params, hidden, targets, scored, num_top)
+    hook = row_hooks(plan.hooks, plan.selector)
+    args = (params, config, impl, plan.kv_len, cache, plan.tokens, plan.slots, plan.starts, plan.lengths)
+    if plan.targets is None:
+        cache, logits = prefill_forward(*args, hook=hook)
+        return cache, logits, None
+    cache, logits, hidden = prefill_forward(*args, return_hidden=True, hook=hook)
+    return cache, logits, score_positions(params, hidden, plan.targets, plan.scored, plan.num_top)
 
 
 def score_positions(params: Params, hidden: jax.Array, targets: jax.Array, scored: jax.Array,
@@ -118,32 +107,28 @@ def score_positions(params: Params, hidden: jax.Array, targets: jax.Array, score
     return lax.map(row, (hidden, targets, scored))
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "kv_len", "dense", "hooks"), donate_argnames=("cache",))
-def decode_step(params, cache: KVCache, tokens, slots, positions, active, selector=None, *, config: ModelConfig,
-                impl: str, kv_len: int, dense: bool, hooks: tuple[Hook, ...] = ()) -> tuple[KVCache, jax.Array]:
-    """One token per row. `dense`: row i is slot i for every slot, so attention reads the cache in place.
-    `hooks` / `selector`: per-row intervention hooks (`row_hooks`)."""
-    return decode_forward(params, config, impl, kv_len, cache, tokens, slots, positions, active, dense=dense,
-                          hook=row_hooks(hooks, selector))
+@partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
+def decode_step(params, cache: KVCache, plan: DecodePlan, *, config: ModelConfig, impl: str
+                ) -> tuple[KVCache, jax.Array]:
+    """One token per row; `plan.dense`: row i is slot i for every slot, so attention reads the cache in place."""
+    return decode_forward(params, config, impl, plan.kv_len, cache, plan.tokens, plan.slots, plan.positions,
+                          plan.active, dense=plan.dense, hook=row_hooks(plan.hooks, plan.selector))
 
 
-@partial(jax.jit, static_argnames=("num_top",), donate_argnames=("penalties",))
-def sample_first(penalties: Penalties, logits, slots, final, prompt_masks, sampling: SamplingArrays, *,
-                 num_top: int) -> tuple[Penalties, SampleOutput]:
-    """First token of rows whose prompt ended (`final`); restarts those slots' penalty state with the new prompt."""
-    zeros = jnp.zeros(prompt_masks.shape, jnp.int32)
-    out = sample(logits, sampling, prompt_masks, zeros, jnp.zeros_like(slots), num_top=num_top)
-    rows = jnp.where(final, slots, penalties.num_slots)
-    return penalties.restart(rows, prompt_masks).count(rows, out.tokens), out
+@partial(jax.jit, donate_argnames=("penalties",))
+def sample_step(penalties: Penalties, logits: jax.Array, plan: SamplePlan) -> tuple[Penalties, SampleOutput]:
+    """The next token of every row, with its slot's penalties; counts the new tokens in the rows' slots.
 
-
-@partial(jax.jit, static_argnames=("num_top",), donate_argnames=("penalties",))
-def sample_next(penalties: Penalties, logits, slots, active, steps, sampling: SamplingArrays, *,
-                num_top: int) -> tuple[Penalties, SampleOutput]:
-    """Next token of every active row, with penalties from its slot's state; counts the new tokens."""
-    out = sample(logits, sampling, penalties.prompt_mask[slots], penalties.output_counts[slots], steps,
-                 num_top=num_top)
-    return penalties.count(jnp.where(active, slots, penalties.num_slots), out.tokens), out
+    A plan with `prompt_masks` samples first tokens: those rows' penalty state restarts with their prompt.
+    """
+    rows = jnp.where(plan.rows_on, plan.slots, penalties.num_slots)  # a row aimed past the slots is dropped
+    if plan.first:
+        zeros = jnp.zeros(plan.prompt_masks.shape, jnp.int32)
+        out = sample(logits, plan.sampling, plan.prompt_masks, zeros, plan.steps, num_top=plan.num_top)
+        return penalties.restart(rows, plan.prompt_masks).count(rows, out.tokens), out
+    out = sample(logits, plan.sampling, penalties.prompt_mask[plan.slots], penalties.output_counts[plan.slots],
+                 plan.steps, num_top=plan.num_top)
+    return penalties.count(rows, out.tokens), out
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -152,4 +137,4 @@ def copy_slot_prefix(cache: KVCache, src, dst, length) -> KVCache:
     return copy_prefix(cache, src, dst, length)
 
 
-STEP_FUNCTIONS = (prefill_step, prefill_scored_step, decode_step, sample_first, sample_next, copy_slot_prefix)
+STEP_FUNCTIONS = (prefill_step, decode_step, sample_step, copy_slot_prefix)

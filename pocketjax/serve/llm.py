@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ..engine.config import EngineConfig
+from ..engine.config import EngineConfig, use_compile_cache
 from ..engine.engine import Engine
 from ..engine.request import Completion
 from ..engine.sampling import SamplingParams
@@ -66,6 +66,9 @@ class LLM:
                  seed: int = 0, warmup: bool = False, scan_layers: bool | str = "auto",
                  tokenizer: Tokenizer | None = None, **engine_options: Any):
         config = EngineConfig.of(engine_config, **engine_options)  # checked before the weights load
+        # The one process-wide setting pocketjax makes, and only here (not in Engine): JAX's persistent compile cache
+        # in the per-user folder (logged at INFO; compile_cache_dir="off" or POCKETJAX_COMPILE_CACHE_DIR=off: none)
+        use_compile_cache(config.compile_cache_dir)
         group = ProcessGroup.current()  # None unless jax.distributed joined a multi-process job
         if not isinstance(model, Model):
             mesh = default_mesh(tp) if group is not None else None  # every device of the job: dp = devices / tp

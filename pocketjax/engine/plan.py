@@ -1,0 +1,331 @@
+"""Step plans: what one jitted step call computes, as a value, and the one home of the rules that shape it.
+
+Every compiled shape comes from here: `bucket`, `StepRules` (rows, prefill chunk width, attention length, the
+dense-rows rule) and the constructors that turn requests into plans. A plan is a registered pytree dataclass: its
+arrays are data (traced), its static choices (kv_len, dense, hooks, num_top) are meta fields, part of the treedef
+and so of `jit`'s cache key by construction. The steps in `steps.py` take `(params, cache, plan)`; nothing else
+spells their arguments out.
+
+A new step input is a field here plus its use in the one step that reads it: an optional array is `None` when no
+row needs it, so batches without it keep their treedef, and their compiled programs.
+
+Warm-up, `Engine.lower` and the benchmarks build plans with `signatures` / `empty_plan`, so they compile and time
+the very programs the engine runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+from .request import BatchedRequest
+from .sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, pack_sampling
+
+Rows = Sequence[BatchedRequest | None]  # one request per row; None: padding, or a row left out
+
+
+def bucket(n: int, smallest: int, largest: int) -> int:
+    """The compiled size for n: the next power of two >= max(n, smallest), capped at `largest`."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return min(size, largest)
+
+
+@dataclass(frozen=True)
+class StepRules:
+    """How an engine buckets its calls: the only place that turns counts and lengths into compiled sizes."""
+
+    num_slots: int
+    max_seq_len: int
+    prefill_chunk: int
+    min_prefill_bucket: int
+    min_kv_bucket: int
+    impl: str  # resolved attention implementation
+    vocab_size: int
+
+    def rows(self, n: int) -> int:
+        """Rows of a step over n requests."""
+        return bucket(n, 1, self.num_slots)
+
+    def width(self, n: int) -> int:
+        """Chunk width of a prefill whose longest chunk has n tokens."""
+        return bucket(n, self.min_prefill_bucket, self.prefill_chunk)
+
+    def kv_len(self, needed: int) -> int:
+        """Attention length covering `needed` cached positions. The kernels skip blocks past each slot's length
+        themselves, so they always get the whole cache (one program per row count)."""
+        if self.impl != "xla":
+            return self.max_seq_len
+        return bucket(needed, self.min_kv_bucket, self.max_seq_len)
+
+    def dense(self, rows: int) -> bool:
+        """Whether a decode over `rows` rows puts slot i in row i, so attention reads the cache in place.
+
+        Not for one slot: with its only row, XLA:CPU turns the cache write into a select over a dynamic-update-slice
+        and copies every layer's cache several times per step once attention reads all of it
+        (`tests/test_engine.py::test_one_slot_decode_never_copies_the_cache` checks the compiled program)."""
+        return rows == self.num_slots > 1
+
+
+def _pytree(cls: type) -> type:
+    """Register a frozen plan dataclass: fields marked `static` in their metadata are meta (hashed into the jit key),
+    the others data."""
+    meta = [f.name for f in fields(cls) if f.metadata.get("static")]
+    data = [f.name for f in fields(cls) if not f.metadata.get("static")]
+    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+
+
+def static(default: Any = None) -> Any:
+    """A plan field that is a static choice (a meta field of the pytree)."""
+    return field(default=default, metadata={"static": True})
+
+
+@_pytree
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One prompt chunk per row: `lengths[b]` tokens of row b written at `starts[b]..` of slot `slots[b]`."""
+
+    tokens: Any  # int32 [rows, width]
+    slots: Any  # int32 [rows]; padding rows read slot 0 but write nothing (length 0)
+    starts: Any  # int32 [rows]
+    lengths: Any  # int32 [rows]
+    selector: Any = None  # int32 [rows]: row b runs hooks[selector[b] - 1] (0: none); None when no row has a hook
+    targets: Any = None  # int32 [rows, width]: prompt token after each position; None: no row scores its prompt
+    scored: Any = None  # bool [rows]: rows whose prompt positions are scored (with `targets`)
+    kv_len: int = static(0)
+    hooks: tuple = static(())
+    num_top: int = static(0)  # top logprobs per scored position (the engine asks for all it can: one program)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+@_pytree
+@dataclass(frozen=True)
+class DecodePlan:
+    """One token per row at `positions` of slot `slots`; inactive rows write and attend to nothing."""
+
+    tokens: Any  # int32 [rows], from the host, or a previous step's sampled tokens on device
+    slots: Any  # int32 [rows]
+    positions: Any  # int32 [rows]
+    active: Any  # bool [rows]
+    selector: Any = None  # as PrefillPlan.selector
+    kv_len: int = static(0)
+    dense: bool = static(False)  # row i is slot i for every slot (StepRules.dense)
+    hooks: tuple = static(())
+
+    @property
+    def rows(self) -> int:
+        return self.slots.shape[0]
+
+
+@_pytree
+@dataclass(frozen=True)
+class SamplePlan:
+    """The sampler over a forward step's rows. With `prompt_masks`, the rows that end a prompt (`rows_on`) get their
+    first token and restart their slot's penalty state; without, every active row continues from its slot's state."""
+
+    slots: Any  # int32 [rows]
+    rows_on: Any  # bool [rows]: rows whose slot state is updated (final prompt chunk / active decode row)
+    steps: Any  # int32 [rows]: index of the token each row generates (the random stream's key is (seed, step))
+    sampling: SamplingArrays
+    prompt_masks: Any = None  # bool [rows, vocab]: each ending prompt's tokens; None for decode rows
+    num_top: int = static(0)  # top logprobs returned per row
+
+    @property
+    def first(self) -> bool:
+        return self.prompt_masks is not None
+
+
+# ---- from requests -----------------------------------------------------------------------------------------------
+
+def row_selector(rows: Rows) -> tuple[np.ndarray | None, tuple]:
+    """The hooks of a step's rows: (selector int32 [len(rows)], the distinct hooks ordered by id), or (None, ())
+    when no row has one, so a hook-free batch compiles exactly the programs it would without hooks."""
+    found = {r.sampling.hook for r in rows if r is not None and r.sampling.hook is not None}
+    if not found:
+        return None, ()
+    hooks = tuple(sorted(found, key=id))  # the same set reuses its programs whatever the rows
+    selector = np.zeros(len(rows), np.int32)
+    for i, r in enumerate(rows):
+        if r is not None and r.sampling.hook is not None:
+            selector[i] = hooks.index(r.sampling.hook) + 1
+    return selector, hooks
+
+
+def top_count(rows: Rows) -> int:
+    """Top logprobs the sampler returns for these rows: all it can (one program) when any asked, else none."""
+    return MAX_LOGPROBS if any(r is not None and r.sampling.logprobs for r in rows) else 0
+
+
+def scored_positions(req: BatchedRequest, begin: int, n: int) -> int:
+    """How many positions of req's chunk of n prompt tokens from `begin` score the prompt token after them (the
+    prompt's last token scores nothing: it yields the first generated one)."""
+    return max(0, min(n, len(req.prompt_tokens) - 1 - begin))
+
+
+def prefill_plans(rules: StepRules, chunks: Sequence[tuple[BatchedRequest, int]]
+                  ) -> tuple[PrefillPlan, SamplePlan | None]:
+    """The prefill of the next n prompt tokens of each (request, n), and the sampler over the rows whose prompt it
+    ends (None when none does). Rows that asked for prompt logprobs score the token after each position (a chunk's
+    last position scores the first token of the next chunk; the prompt's last token scores nothing)."""
+    rows = rules.rows(len(chunks))
+    width = rules.width(max(n for _, n in chunks))
+    tokens = np.zeros((rows, width), np.int32)
+    slots, starts, lengths = (np.zeros(rows, np.int32) for _ in range(3))
+    final = np.zeros(rows, bool)
+    masks = np.zeros((rows, rules.vocab_size), bool)
+    targets, counts = np.zeros((rows, width), np.int32), np.zeros(rows, np.int32)
+    for i, (req, n) in enumerate(chunks):
+        begin = req.num_prefilled
+        tokens[i, :n] = req.prompt_tokens[begin: begin + n]
+        slots[i], starts[i], lengths[i] = req.slot_id, begin, n
+        final[i] = begin + n == len(req.prompt_tokens)
+        if final[i]:
+            masks[i, np.asarray(req.prompt_tokens)] = True
+        if req.sampling.prompt_logprobs is not None:
+            counts[i] = scored_positions(req, begin, n)
+            targets[i, :counts[i]] = req.prompt_tokens[begin + 1: begin + 1 + counts[i]]
+    selector, hooks = row_selector([r for r, _ in chunks])
+    scored = counts.any()  # only a chunk with a row that asked pays for every position's logits
+    plan = PrefillPlan(tokens, slots, starts, lengths, selector, targets if scored else None,
+                       counts > 0 if scored else None, kv_len=rules.kv_len(int((starts + lengths).max())),
+                       hooks=hooks, num_top=MAX_LOGPROBS if scored else 0)
+    if not final.any():
+        return plan, None
+    requests = [r for r, _ in chunks]
+    sampling = pack_sampling([r.sampling for r in requests], [r.seed for r in requests], pad_to=rows)
+    return plan, SamplePlan(slots, final, np.zeros(rows, np.int32), sampling, masks, num_top=top_count(requests))
+
+
+def decode_rows(rules: StepRules, running: Sequence[BatchedRequest]) -> tuple[list[BatchedRequest | None], bool]:
+    """The rows of a decode step over `running` and whether it is dense (then row i holds the request of slot i)."""
+    rows = rules.rows(len(running))
+    dense = rules.dense(rows)
+    if dense:
+        order = {r.slot_id: r for r in running}
+        return [order.get(s) for s in range(rows)], True
+    return list(running) + [None] * (rows - len(running)), False
+
+
+def decode_plans(rules: StepRules, rows: Rows, dense: bool, tokens: Any, positions: np.ndarray, steps: np.ndarray
+                 ) -> tuple[DecodePlan, SamplePlan]:
+    """The decode step over `rows` (None: inactive) fed `tokens` at `positions`, and its sampler (`steps`: the
+    index of each row's token)."""
+    active = np.array([r is not None for r in rows])
+    slots = np.arange(len(rows), dtype=np.int32) if dense else np.zeros(len(rows), np.int32)
+    for i, r in enumerate(rows):
+        if r is not None:
+            slots[i] = r.slot_id
+    selector, hooks = row_selector(rows)
+    plan = DecodePlan(tokens, slots, positions, active, selector, kv_len=rules.kv_len(int(positions.max()) + 1),
+                      dense=dense, hooks=hooks)
+    sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in rows],
+                             [r.seed if r else 0 for r in rows])
+    return plan, SamplePlan(slots, active, steps, sampling, num_top=top_count(rows))
+
+
+def decode_from_host(rules: StepRules, running: Sequence[BatchedRequest], cached: Callable[[int], int]
+                     ) -> tuple[list[BatchedRequest | None], DecodePlan, SamplePlan]:
+    """A decode step over `running` fed each request's last token at its slot's next position (`cached(slot)`:
+    the slot's cached token count)."""
+    rows, dense = decode_rows(rules, running)
+    tokens, positions, steps = (np.zeros(len(rows), np.int32) for _ in range(3))
+    for i, req in enumerate(rows):
+        if req is not None:
+            tokens[i], positions[i], steps[i] = req.last_token, cached(req.slot_id), len(req.generated_tokens)
+    return (rows, *decode_plans(rules, rows, dense, tokens, positions, steps))
+
+
+def decode_at(rules: StepRules, positions: Sequence[int], step: int, tokens: Any = None
+              ) -> tuple[DecodePlan, SamplePlan]:
+    """The greedy decode step the engine would run for requests in slots 0..n-1 whose next tokens go at `positions`
+    and are their `step`-th: what benchmarks time on a scratch engine's cache (fed `tokens`, default ones)."""
+    stand_ins = [BatchedRequest(i, [0], SamplingParams(temperature=0.0), slot_id=i, seed=0)
+                 for i in range(len(positions))]
+    rows, dense = decode_rows(rules, stand_ins)
+    active = np.array([r is not None for r in rows])
+    at = np.zeros(len(rows), np.int32)
+    for i, r in enumerate(rows):
+        if r is not None:
+            at[i] = positions[r.slot_id]
+    fed = np.ones(len(rows), np.int32) if tokens is None else tokens
+    return decode_plans(rules, rows, dense, fed, at, np.where(active, step, 0).astype(np.int32))
+
+
+def decode_after(rules: StepRules, rows: Rows, plan: DecodePlan, sample: SamplePlan, keep: Rows, tokens: Any
+                 ) -> tuple[list[BatchedRequest | None], DecodePlan, SamplePlan]:
+    """The step after (`plan`, `sample`) over the same rows, minus those not in `keep`: one position and one token
+    further, fed `tokens` (the previous step's sampled tokens, on device)."""
+    going = {id(r) for r in keep}
+    rows = [r if r is not None and id(r) in going else None for r in rows]
+    active = np.array([r is not None for r in rows])
+    return (rows, *decode_plans(rules, rows, plan.dense, tokens, np.where(active, plan.positions + 1, 0),
+                                np.where(active, sample.steps + 1, 0)))
+
+
+# ---- every signature, and plans that write nothing (warm-up, Engine.lower, benchmarks) ---------------------------
+
+class Signature(NamedTuple):
+    """One step call shape: `step` over `rows` rows (0: not a batch); the other fields where the step has them."""
+
+    step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode, decode_fed (input tokens on device),
+    # sample_next, copy_prefix
+    rows: int = 0
+    width: int = 0  # prefill chunk bucket
+    kv_len: int = 0  # attention length bucket
+    num_top: int = 0  # top logprobs the sampler returns
+
+
+def signatures(rules: StepRules, prompt_logprobs: bool = False) -> list[Signature]:
+    """Every step signature an engine with these rules can call; each sampler follows a forward step over its rows,
+    each device-fed decode a sampler. `prompt_logprobs` adds the prefill variant that scores prompt tokens (one per
+    prefill shape: as many compiles again as the plain prefill, which is why it is opt-in)."""
+    if rules.max_seq_len < 2:  # no prompt fits: nothing ever runs
+        return []
+    rows = sorted({rules.rows(n) for n in range(1, rules.num_slots + 1)})
+    kv = {end: rules.kv_len(end) for end in range(1, rules.max_seq_len)}  # cached tokens -> attention length
+    kv_lens = sorted(set(kv.values()))
+    shortest = {}  # chunk width -> the shortest chunk compiled at it (a prompt leaves one position to generate)
+    for n in range(min(rules.prefill_chunk, rules.max_seq_len - 1), 0, -1):
+        shortest[rules.width(n)] = n
+    tops = (0, MAX_LOGPROBS)
+    calls = []
+    for r in rows:
+        prefill = [Signature("prefill", r, w, k) for w, n in sorted(shortest.items()) for k in kv_lens if k >= kv[n]]
+        calls += prefill + ([c._replace(step="prefill_scored") for c in prefill] if prompt_logprobs else [])
+        calls += [Signature("sample_first", r, num_top=t) for t in tops]
+        calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
+        calls += [Signature("sample_next", r, num_top=t) for t in tops]
+        calls += [Signature("decode_fed", r, kv_len=k) for k in kv_lens]
+    if rules.num_slots > 1:  # a prefix is copied from another slot only
+        calls.append(Signature("copy_prefix"))
+    return calls
+
+
+def empty_plan(rules: StepRules, call: Signature, tokens: Any = None) -> PrefillPlan | DecodePlan | SamplePlan:
+    """A plan of `call`'s shape that writes nothing: zero-length chunks, inactive rows, rows that end no prompt
+    (slot state untouched); "decode_fed" takes its input `tokens` (a sampler's, on device) as the engine does."""
+    r = call.rows
+    zeros = np.zeros(r, np.int32)
+    if call.step in ("prefill", "prefill_scored"):
+        empty = np.zeros((r, call.width), np.int32)
+        scored = call.step == "prefill_scored"
+        return PrefillPlan(empty, zeros, zeros, zeros, None, empty if scored else None,
+                           np.zeros(r, bool) if scored else None, kv_len=call.kv_len,
+                           num_top=MAX_LOGPROBS if scored else 0)
+    if call.step in ("decode", "decode_fed"):
+        dense = rules.dense(r)
+        slots = np.arange(r, dtype=np.int32) if dense else zeros
+        fed = zeros if tokens is None else tokens
+        return DecodePlan(fed, slots, zeros, np.zeros(r, bool), kv_len=call.kv_len, dense=dense)
+    if call.step in ("sample_first", "sample_next"):
+        sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
+        masks = np.zeros((r, rules.vocab_size), bool) if call.step == "sample_first" else None
+        return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, num_top=call.num_top)
+    raise ValueError(f"no plan for step {call.step!r}")
