@@ -124,3 +124,23 @@ def test_compile_cache_keeps_programs_across_processes(tmp_path, hf_checkpoint):
     assert entries(cache) == written and not (tmp_path / "elsewhere").exists()  # all found, none added
     assert run(XDG_CACHE_HOME=str(tmp_path / "off"), **{variable: "off"}) == first
     assert not (tmp_path / "off").exists()
+
+
+def test_an_engine_leaves_jaxs_compile_cache_alone_unless_asked(tmp_path, hf_checkpoint):
+    """Process-wide JAX settings belong to the user: a bare Engine sets none; a folder given to it is a request."""
+    code = ("import jax, pocketjax as pj; m = pj.load_model({folder!r}); "
+            "pj.Engine(m, max_batch_size=1, max_seq_len=32{extra}); print(jax.config.jax_compilation_cache_dir)")
+    env = {k: v for k, v in os.environ.items()
+           if k != ENVIRONMENT["compile_cache_dir"] and not k.startswith("JAX_COMPILATION_CACHE")}
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    folder = str(hf_checkpoint("qwen3_gqa4_headdim"))
+
+    def run(extra: str = "") -> str:
+        done = subprocess.run([sys.executable, "-c", code.format(folder=folder, extra=extra)], env=env,
+                              capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert run() == "None" and not (tmp_path / "xdg").exists()
+    asked = tmp_path / "asked"
+    assert run(f", compile_cache_dir={str(asked)!r}") == str(asked)
