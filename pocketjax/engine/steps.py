@@ -17,15 +17,8 @@ from jax import lax
 from ..model.config import ModelConfig
 from ..model.decoder import Hook, Params, decode_forward, lm_head, prefill_forward
 from ..model.kv_cache import KVCache, copy_prefix
+from .plan import bucket  # noqa: F401 - re-exported: the engine, warm-up and benchmarks import it from here
 from .sampling import SampleOutput, SamplingArrays, sample, token_logprobs
-
-
-def bucket(n: int, smallest: int, largest: int) -> int:
-    """The compiled size for n: the next power of two >= max(n, smallest), capped at `largest`."""
-    size = smallest
-    while size < n:
-        size *= 2
-    return min(size, largest)
 
 
 @jax.tree_util.register_dataclass

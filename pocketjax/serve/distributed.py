@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine.steps import bucket
+from ..engine.plan import bucket
 from ..errors import ConfigError, DistributedError
 
 # The variables `initialize` reads when an argument is not given (JAX itself reads the first one too).
