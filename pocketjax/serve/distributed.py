@@ -1,12 +1,7 @@
-"""Multi-process serving under jax.distributed: joining the job, and process 0's decisions broadcast each step.
+"""Multi-process serving under jax.distributed: joining the job, and the per-step channel from process 0 to all.
 
-JAX is multi-controller: every process runs the same program, and each jitted step is one SPMD program over every
-process's devices, so every process must make the same engine calls with the same arguments. Everything the
-engine and the scheduler decide is a pure function of what they were asked before (slot choice, bucketing, the
-seeds of unseeded requests, stop tokens, stop strings with the same tokenizer), except what comes from outside:
-which requests arrive, which are cancelled, and when serving stops. Process 0 owns those. At the start of every
-scheduler step it broadcasts what arrived and what was cancelled since its last step (`ProcessGroup.exchange`),
-and every process applies the same message before it touches its engine, so the processes never diverge.
+`ProcessGroup.exchange` is the one broadcast that the lockstep protocol (lockstep.py: why every process must make
+the same engine calls, and what process 0 decides for all) runs at the start of every scheduler step.
 
 Cost: one `multihost_utils.broadcast_one_to_all` of a fixed HEADER_BYTES buffer per step (a second one, sized to
 a power of two, only when a step's news does not fit: long prompts); benchmarks/bench_multihost.py measures it.
@@ -14,9 +9,10 @@ CPU collectives are gloo (jax 0.10's default `jax_cpu_collectives_implementation
 with processes on 127.0.0.1, as the tests do.
 
 A dead process: a collective with it fails at once on the processes it was connected to (the socket closes),
-which the scheduler turns into DistributedError for every open request. JAX's own distributed client then
-terminates a process whose coordinator (process 0) is gone at once, and process 0 when a peer's heartbeat has
-been missing for `heartbeat_timeout_s`, so no process outlives a dead peer by more than that.
+which the scheduler sees as DistributedError (from `exchange`, or from a step: lockstep.py), failing every open
+request. JAX's own distributed client then terminates a process whose coordinator (process 0) is gone at once,
+and process 0 when a peer's heartbeat has been missing for `heartbeat_timeout_s`, so no process outlives a dead
+peer by more than that.
 """
 from __future__ import annotations
 

@@ -13,12 +13,9 @@ next) and collects, in order.
 Only the thread that runs `step()` touches the engine. Other threads submit and cancel under one Condition,
 which the background loop sleeps on when there is nothing to do.
 
-In a multi-process job (`group`, see distributed.py) every process runs this loop over its own Engine, in step.
-Process 0 takes requests and cancellations into an inbox; each step starts with one broadcast of what it holds,
-which every process then applies before touching its engine. The other processes follow: their loop blocks in
-that broadcast, `cancel()` there does nothing (process 0's cancellation ends the request everywhere), and a
-`submit()` there is matched, in order, with the next request process 0 sent, so an SPMD script that submits the
-same requests on every process gets the same handles and results everywhere.
+In a multi-process job (`group`) every process runs this loop over its own Engine, in step: lockstep.py's protocol
+keeps them so. The scheduler reaches it only through `self.lockstep` (`Local` in one process), never asking how
+many processes there are.
 """
 from __future__ import annotations
 
@@ -26,7 +23,6 @@ import itertools
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 import numpy as np
@@ -38,10 +34,8 @@ from ..engine.slots import hashable
 from ..errors import CapacityError, ConfigError, DistributedError, PocketJaxError, RequestError, StoppedError
 from .distributed import ProcessGroup
 from .handle import RequestHandle
+from .lockstep import protocol
 from .tokenizer import StopStringMatcher, Tokenizer
-
-
-UNCLAIMED = 4096  # followers keep at most this many of process 0's requests that no local submit claimed
 
 
 class Scheduler:
@@ -68,18 +62,11 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._stopped = False  # stop() was called (or the loop died) and start() not since: submit refuses
-        # multi-process (None: one process). Process 0 steps at least every keepalive_s, so a dead peer is noticed
-        # within that even when idle (one empty broadcast per keepalive_s; the others block in it meanwhile).
-        self.group = group if group is not None and group.num_processes > 1 else None
-        self.keepalive_s = keepalive_s
-        self._inbox: list[RequestHandle] = []  # process 0: submitted, not yet broadcast
-        self._cancels: list[Any] = []  # process 0: ids of cancellations not yet broadcast
-        self._expected: deque[RequestHandle] = deque()  # followers: local submits waiting for process 0's request
-        # followers: process 0's requests no local submit claimed yet (bounded: a follower that never submits, as in
-        # `pocketjax serve`, keeps only the last UNCLAIMED)
-        self._unclaimed: deque[RequestHandle] = deque(maxlen=UNCLAIMED)
         self._error: DistributedError | None = None  # why a multi-process loop died: later submits raise it
-        self._left = False  # followers: process 0 stopped the job
+        # how submits, cancellations and stops reach the queues: at once, or in lockstep with the other processes of
+        # a job (process 0 then steps at least every keepalive_s, so a dead peer is noticed even when idle)
+        self.lockstep = protocol(group, self.waiting, self._live, self._open, engine.validate, keepalive_s)
+        self.group = self.lockstep.group  # None: one process
 
     # ---- callers (any thread) ------------------------------------------------------------------------------------
     def submit(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None,
@@ -97,9 +84,10 @@ class Scheduler:
                 raise self._error
             if self._stopped:
                 raise StoppedError("the scheduler was stopped: start() it again before submitting")
-            if self.group is not None and not self.group.leader:
-                return self._claim(request)
-            if len(self.waiting) + len(self._inbox) >= self.max_waiting:
+            claimed = self.lockstep.claim(request)  # not process 0 of a job: the handle of process 0's request
+            if claimed is not None:
+                return claimed
+            if len(self.waiting) + self.lockstep.held() >= self.max_waiting:
                 raise CapacityError(f"waiting queue is full ({self.max_waiting} requests)")
             if request_id is None:
                 request.request_id = f"req-{next(self._ids)}"
@@ -111,7 +99,7 @@ class Scheduler:
                 return handle
             handle = RequestHandle(request, self.tokenizer, on_cancel=self.cancel)
             self._live[request.request_id] = handle
-            (self._inbox if self.group is not None else self.waiting).append(handle)
+            self.lockstep.add(handle)
             self._cond.notify_all()
         return handle
 
@@ -120,15 +108,8 @@ class Scheduler:
         with self._cond:
             if handle.done():
                 return
-            if self.group is not None:
-                self._cancel_in_group(handle)
-            elif handle in self.waiting:
-                self.waiting.remove(handle)
-                self._live.pop(handle.request_id, None)
-                handle.finish("cancelled")
-            else:
-                handle.cancel_requested = True
-                self._cond.notify_all()
+            self.lockstep.cancel(handle)
+            self._cond.notify_all()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -140,12 +121,8 @@ class Scheduler:
         with self._cond:
             if self._thread is not None and threading.current_thread() is not self._thread:
                 raise RuntimeError("step() is driven by the background loop while it runs; call stop() first")
-            news = self._news() if self.group is not None else None
-        if self.group is not None:  # outside the lock: a follower waits here for process 0's next step
-            message = self.group.exchange(news[0] if news else None)
-            with self._cond:
-                if not self._apply(message, news[1] if news else []):
-                    return False
+        if not self.lockstep.sync(self._cond, self._end):  # a follower waits here for process 0's next step
+            return False
         with self._cond:
             self._retire_cancelled()
             self._admit()
@@ -167,9 +144,10 @@ class Scheduler:
         with self._cond:
             if self._thread is not None:
                 return self
-            if self._error is not None or (self._stopped and self.group is not None):
-                raise self._error or StoppedError("a multi-process scheduler cannot restart: the other processes "
-                                                  "stopped with it")
+            if self._error is not None:
+                raise self._error
+            if self._stopped:
+                self.lockstep.restart()  # raises in a multi-process job: the other processes stopped with this one
             self._stopping = self._stopped = False
             self._thread = threading.Thread(target=self._loop, name="pocketjax-scheduler", daemon=True)
             self._thread.start()
@@ -181,8 +159,8 @@ class Scheduler:
         In a multi-process job process 0's stop stops every process; elsewhere stop() waits for it.
         """
         with self._cond:
-            if self.group is not None and self.group.leader and self._thread is None and not self._stopped:
-                self._send_stop()  # no loop to tell the others: tell them here
+            if self._thread is None and not self._stopped:
+                self.lockstep.leave()  # no loop to tell the other processes: tell them here
             self._stopping = self._stopped = True
             self._cond.notify_all()
             thread, self._thread = self._thread, None
@@ -193,11 +171,9 @@ class Scheduler:
 
     def _cancel_all(self) -> None:
         """End every request not finished yet with "cancelled". Holds `self._cond`."""
-        for handle in list(self.waiting) + self._inbox + list(self._expected):
+        for handle in list(self.waiting) + self.lockstep.drop():
             handle.finish("cancelled")
         self.waiting.clear()
-        self._inbox.clear()
-        self._expected.clear()
         for handle in self.running:
             handle.cancel_requested = True
         self._retire_cancelled()
@@ -212,18 +188,11 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             while True:
-                if self.group is None or self.group.leader:
-                    with self._cond:
-                        self._cond.wait_for(lambda: self._stopping or self.has_work() or bool(self._inbox)
-                                            or bool(self._cancels), self.keepalive_s if self.group else None)
-                        if self._stopping:
-                            if self.group is not None:
-                                self._send_stop()
-                            return
+                with self._cond:
+                    if not self.lockstep.idle(self._cond, self.has_work, lambda: self._stopping):
+                        return
                 try:
                     self.step()
-                    if self._left:  # a follower that process 0 told to stop
-                        return
                 except DistributedError as error:
                     self._die(error)
                     return
@@ -243,14 +212,9 @@ class Scheduler:
         """Raise the typed error a request would hit later, so it fails at submit. Holds `self._cond`."""
         if not hashable(request.request_id):
             raise RequestError(f"request_id must be hashable, got {type(request.request_id).__name__}")
-        if self.group is not None and (not isinstance(request.request_id, (str, int))
-                                       or isinstance(request.request_id, bool)):
-            raise RequestError(f"request_id must be a str or an int in a multi-process job (process 0 sends it to "
-                               f"the others), got {type(request.request_id).__name__}")
         if request.request_id in self._live:
             raise RequestError(f"request_id {request.request_id!r} is already in flight")
-        if self.group is not None and getattr(request.sampling, "hook", None) is not None:
-            raise RequestError("SamplingParams.hook cannot be sent to the other processes of a multi-process job")
+        self.lockstep.check(request)
         self.engine.validate(request)
         if request.sampling.stop and self.tokenizer is None:
             raise RequestError("stop strings need a Scheduler created with a tokenizer")
@@ -276,11 +240,7 @@ class Scheduler:
         try:
             return call(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - any failure belongs to these requests, not to the loop
-            if self.group is not None and not isinstance(error, PocketJaxError):
-                # a peer gone mid-step (gloo: "Connection reset by peer"), or a failure the others may not share:
-                # either way the processes can no longer run the same steps
-                raise DistributedError(f"process {self.group.process_id}: a step failed, so the processes can no "
-                                       f"longer stay in step: {error}") from error
+            self.lockstep.step_failed(error)  # raises DistributedError where the processes can no longer stay in step
             with self._cond:
                 for handle in [h for h in handles if not h.done()]:  # one that already finished keeps its result
                     self._release(handle)
@@ -349,118 +309,24 @@ class Scheduler:
             self.engine.free_slot(handle.request_id, reason)
         self._live.pop(handle.request_id, None)
 
-    # ---- multi-process (`self.group`; `self._cond` held unless noted) ---------------------------------------------
-    def _cancel_in_group(self, handle: RequestHandle) -> None:
-        """Process 0: a request not broadcast yet ends now, any other at the start of the next step everywhere.
-        Elsewhere nothing: process 0's cancellation ends it."""
-        if not self.group.leader:
-            return
-        if handle in self._inbox:
-            self._inbox.remove(handle)
-            self._live.pop(handle.request_id, None)
-            handle.finish("cancelled")
-        elif handle.request_id not in self._cancels:
-            self._cancels.append(handle.request_id)
-            self._cond.notify_all()
+    # ---- what the lockstep protocol calls back, and the end of a job ----------------------------------------------
+    def _open(self, request: BatchedRequest) -> RequestHandle:
+        """A handle for a request this scheduler runs (a follower's, from process 0's message or a local submit)."""
+        return RequestHandle(request, self.tokenizer, on_cancel=self.cancel)
 
-    def _news(self) -> tuple[dict[str, Any], list[RequestHandle]] | None:
-        """Process 0: the message for this step (new requests, cancellations) and the handles it adds."""
-        if not self.group.leader:
-            return None
-        sent, self._inbox = self._inbox, []
-        cancels, self._cancels = self._cancels, []
-        message: dict[str, Any] = {}
-        if sent:
-            message["add"] = [[h.request_id, list(map(int, h.request.prompt_tokens)), asdict(h.request.sampling)]
-                              for h in sent]
-        if cancels:
-            message["cancel"] = cancels
-        return message, sent
-
-    def _send_stop(self) -> None:
-        """Process 0: tell every process to stop (the last exchange); what is still in the inbox ends "cancelled"."""
-        try:
-            self.group.exchange({"stop": True})
-        except DistributedError:
-            pass  # the others are gone already: there is no one left to tell
-
-    def _apply(self, message: dict[str, Any], sent: list[RequestHandle]) -> bool:
-        """Apply process 0's message (on process 0 too: every process changes its queues at the same point);
-        False when it says stop."""
-        if self.group.leader:
-            self.waiting.extend(sent)
-        else:
-            for request_id, prompt, sampling in message.get("add", ()):
-                params = SamplingParams(**sampling)
-                handle = self._bind(BatchedRequest(request_id, prompt, params))
-                self._live[request_id] = handle
-                self.waiting.append(handle)
-        for request_id in message.get("cancel", ()):
-            handle = self._live.get(request_id)
-            if handle is None:
-                continue
-            if handle in self.waiting:
-                self.waiting.remove(handle)
-                self._live.pop(request_id, None)
-                handle.finish("cancelled")
-            else:
-                handle.cancel_requested = True
-        if message.get("stop"):
-            self._stopping = self._stopped = self._left = True
-            self._cancel_all()
-            return False
-        return True
-
-    def _claim(self, request: BatchedRequest) -> RequestHandle:
-        """A follower's submit: the handle of the matching request process 0 sent (now or later)."""
-        handle = RequestHandle(request, self.tokenizer, on_cancel=self.cancel)
-        try:
-            self.engine.validate(request)  # process 0 refuses the same request the same way
-            StopStringMatcher(request.sampling.stop)
-        except PocketJaxError as error:
-            handle.fail(error)
-            return handle
-        if not self._unclaimed:
-            self._expected.append(handle)
-            return handle
-        sent = self._unclaimed.popleft()
-        if not same_request(request, sent.request):
-            handle.fail(mismatch(self.group, request, sent.request))
-            return handle
-        return sent
-
-    def _bind(self, request: BatchedRequest) -> RequestHandle:
-        """A follower's handle for a request process 0 sent: the local submit waiting for it, if any."""
-        if self._expected:
-            local = self._expected.popleft()
-            if same_request(local.request, request):
-                local.request.request_id = request.request_id
-                return local
-            local.fail(mismatch(self.group, local.request, request))
-        handle = RequestHandle(request, self.tokenizer, on_cancel=self.cancel)
-        self._unclaimed.append(handle)
-        return handle
+    def _end(self) -> None:
+        """Process 0 stopped the job: this process stops too, and every request not finished ends "cancelled".
+        Holds `self._cond`."""
+        self._stopping = self._stopped = True
+        self._cancel_all()
 
     def _die(self, error: DistributedError) -> None:
         """The job lost a process: every open request fails with `error`, and so does every later submit."""
         with self._cond:
             self._error, self._stopped, self._thread = error, True, None
-            for handle in list(self.waiting) + list(self.running) + self._inbox + list(self._expected):
+            for handle in list(self.waiting) + list(self.running) + self.lockstep.drop():
                 handle.fail(error)
             self.waiting.clear()
             self.running.clear()
-            self._inbox.clear()
-            self._expected.clear()
             self._live.clear()
 
-
-def same_request(local: BatchedRequest, sent: BatchedRequest) -> bool:
-    """True when a follower's own submit is the request process 0 sent (the id only if the follower gave one)."""
-    return (list(local.prompt_tokens) == list(sent.prompt_tokens) and local.sampling == sent.sampling
-            and local.request_id in (None, sent.request_id))
-
-
-def mismatch(group: ProcessGroup, local: BatchedRequest, sent: BatchedRequest) -> RequestError:
-    return RequestError(f"process {group.process_id} submitted a request (prompt of {len(local.prompt_tokens)} "
-                        f"tokens) where process 0 sent another ({sent.request_id!r}, {len(sent.prompt_tokens)} "
-                        f"tokens): submit the same requests in the same order on every process, or only on process 0")
