@@ -67,10 +67,9 @@ def decode_attention(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=Non
     k, v = _rows(k_cache, slots, s), _rows(v_cache, slots, s)
     qg = q.reshape(s, kv_heads, q_heads // kv_heads, d).astype(dtype)
     if jax.default_backend() == "cpu":
-        # K @ q^T, then transposed: with the cache as the dot's row-major left operand XLA:CPU reads it 1.4x faster
-        # than q @ K^T's transposed right operand (8 slots x 8 kv heads x 256 positions over 28 layers: 8.2 vs
-        # 11.8 ms, `benchmarks/xla_cpu_matmul.py --suites attention`); the barrier keeps XLA from folding the
-        # transpose back into the dot.
+        # K @ q^T, then transposed: XLA:CPU reads the cache faster as the dot's row-major left operand than as
+        # q @ K^T's transposed right operand (`benchmarks/xla_cpu_matmul.py --suites attention` measures it); the
+        # barrier keeps XLA from folding the transpose back into the dot.
         logits = lax.dot_general(k.astype(dtype), qg, (((3,), (3,)), ((0, 1), (0, 1))),
                                  preferred_element_type=jnp.float32, precision=precision(dtype))
         logits = jnp.swapaxes(lax.optimization_barrier(logits), 2, 3) * scale

@@ -14,7 +14,7 @@ copied: the cache BlockSpec is simply wider than the array). Presets are therefo
 head dim; `block_sizes` shrinks block_k (then num_stages) until the software-pipelined K/V tiles fit the
 target's shared memory, which is what float32 inputs need.
 
-What runs where (dispatch: `pocketjax.model.layers.resolve_impl`; evidence: README "What runs where"):
+What runs where (dispatch: `pocketjax.model.layers.resolve_impl`; evidence: docs/kernels.md "What runs where"):
   * cc >= 8.0: the Pallas kernels (Pallas's Triton lowering through XLA).
   * cc < 8.0 (sm75): XLA rejects Pallas's Triton custom call there ("Triton support is only enabled for Ampere
     GPUs (compute capability 8.0) and up", jax#26799), but official Triton compiles `tl.dot` for sm75 (FMA

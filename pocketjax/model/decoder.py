@@ -39,18 +39,12 @@ Params = dict[str, Any]
 Attend = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 # The scan's cost on XLA:CPU: every iteration copies its layer's weights (and the KV cache slice attention reads) out
-# of the stacked arrays before the dot, because XLA:CPU cannot feed a dot from a dynamic slice: the compiled decode
-# step holds a constant 60 MB of such temporaries at Qwen3-0.6B shapes (8 slots x 256), where the unrolled one holds
-# 4.6 MB. Indexing the stacked weights inside a fori_loop instead of scanning over them compiles to the same copy, and
-# `unroll=` keeps a copy per unrolled layer (unroll=2 / 4: 120 / 240 MB; no faster in a probe of 28 [3072, 1024]
-# products), so SCAN_UNROLL stays 1. The cache update itself stays in place (the scatter aliases the carried cache;
-# temporaries do not grow with depth). So on CPU the scan trades step time for compile time
-# (benchmarks/compile_time.py, 2 busy cores, jax 0.10.2, float32, Qwen3-0.6B layer shapes): one decode
-# shape compiles in 1.7 / 3.2 / 6.4 CPU s unrolled at 16 / 32 / 64 layers and 0.91 / 0.91 / 0.95 with scan; a decode
-# step at 28 layers takes 2.1-3.0x as long with scan (c=1: 195 vs 514 ms, c=8: 277 vs 588 ms, loaded machine).
-# "auto" therefore unrolls below AUTO_SCAN_MIN_LAYERS (every Qwen up to 8B: 24-36 layers) and scans from there
-# (14B: 48, 32B: 64, 72B: 80), where an unrolled warm-up (tens of shapes, each ~0.1 CPU s per layer) grows to many
-# minutes. GPU and TPU are not measured yet (no device here); the same rule applies there.
+# of the stacked arrays before the dot, because XLA:CPU cannot feed a dot from a dynamic slice; a fori_loop compiles to
+# the same copy, and `unroll=` keeps a copy per unrolled layer without being faster, so SCAN_UNROLL stays 1. The cache
+# update stays in place. So on CPU the scan trades step time for compile time: compile time flat in depth, each decode
+# step 2-3x slower (benchmarks/compile_time.py measures both; docs/scan-layers.md). "auto" therefore unrolls below
+# AUTO_SCAN_MIN_LAYERS (every Qwen up to 8B: 24-36 layers) and scans from there (14B: 48, 32B: 64, 72B: 80), where an
+# unrolled warm-up grows to many minutes. GPU and TPU are not measured yet; the same rule applies there.
 SCAN_UNROLL = 1
 AUTO_SCAN_MIN_LAYERS = 48
 
