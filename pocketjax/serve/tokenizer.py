@@ -16,13 +16,14 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
 from ..errors import CheckpointError, RequestError
 from ..model.hub import resolve_checkpoint
+from .template_sandbox import (DEFAULT_LIMITS, BoundedSandboxedEnvironment, RenderLimitError, RenderLimits, checked,
+                               render)
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -31,6 +32,7 @@ TEMPLATE_DIR = "additional_chat_templates"     # named extra templates, one <nam
 # The named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REPLACEMENT_CHAR = "\ufffd"
+MAX_JSON_INDENT = 16  # tojson(indent=) multiplies each nesting level's lines: a wide indent is a size amplifier
 PROMPT_CONTEXT = 5  # prompt ids that streamed text is decoded after (as in vLLM)
 
 
@@ -48,6 +50,7 @@ class Tokenizer:
         if chat_templates is None:
             chat_templates = self.config.get("chat_template")
         self.chat_templates = _template_dict(chat_templates)
+        self.render_limits: RenderLimits = DEFAULT_LIMITS  # time and size bounds of every template render
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = self.token_id(self.special_tokens.get("eos_token"))
         self.pad_token_id = self.token_id(self.special_tokens.get("pad_token"))
@@ -156,7 +159,9 @@ class Tokenizer:
         """The prompt text for `messages`, rendered exactly as transformers' apply_chat_template(tokenize=False).
 
         Extra keyword arguments become template variables (e.g. `enable_thinking=False` for Qwen3) and
-        override the named special tokens, as in transformers.
+        override the named special tokens, as in transformers. Rendering is bounded by `self.render_limits`
+        (time, output and intermediate sizes: `template_sandbox`); past them, or for any error the template raises,
+        a RequestError.
         """
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt are mutually exclusive")
@@ -174,22 +179,31 @@ class Tokenizer:
             raise RequestError("tools must be JSON-schema dicts")
         source = self.get_chat_template(chat_template, tools)
         template = compile_template(source, self.name)
-        # transformers drops None-valued keys (OpenAI-style content=None) and rebuilds inputs from plain types.
-        chat = [{k: _plain(v) for k, v in m.items() if v is not None} for m in messages]
-        chat = [_alias_reasoning(m) for m in chat]
-        variables = {**self.special_tokens, **_plain(kwargs)}
         tag = "CONTINUE_FINAL_MESSAGE_TAG "
         final = None
-        if continue_final_message:
-            final = chat[-1].get("content")
-            if not isinstance(final, str):
-                raise RequestError("continue_final_message needs a final message with string content")
-            chat[-1]["content"] = final + tag
         try:
-            text = template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                                   add_generation_prompt=add_generation_prompt, **variables)
+            # transformers drops None-valued keys (OpenAI-style content=None) and rebuilds inputs from plain types.
+            chat = [{k: _plain(v) for k, v in m.items() if v is not None} for m in messages]
+            chat = [_alias_reasoning(m) for m in chat]
+            variables = {**self.special_tokens, **_plain(kwargs)}
+            if continue_final_message:
+                final = chat[-1].get("content")
+                if not isinstance(final, str):
+                    raise RequestError("continue_final_message needs a final message with string content")
+                chat[-1]["content"] = final + tag
+            text = render(template, dict(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                         add_generation_prompt=add_generation_prompt, **variables),
+                          self.render_limits)
+        except RequestError:
+            raise
         except jinja2.TemplateError as err:
             raise RequestError(f"chat template rejected the conversation: {err}") from err
+        except RenderLimitError as err:
+            raise RequestError(f"chat template stopped: {err}") from None
+        except RecursionError:
+            raise RequestError("chat template or conversation nests too deeply") from None
+        except Exception as err:  # noqa: BLE001 - whatever the template's code raises (1/0, a bad filter argument)
+            raise RequestError(f"chat template failed on this conversation: {type(err).__name__}: {err}") from err
         if final is not None:
             if final.strip() not in text or tag.strip() not in text:
                 raise RequestError("continue_final_message: the template dropped the final message")
@@ -269,6 +283,8 @@ def _raise_exception(message: str) -> None:
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     # Jinja's own tojson HTML-escapes and sorts keys; templates were written against json.dumps.
+    if indent is not None and (not isinstance(indent, int) or not 0 <= indent <= MAX_JSON_INDENT):
+        raise jinja2.exceptions.TemplateError(f"tojson indent must be an int in [0, {MAX_JSON_INDENT}]")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -298,7 +314,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
+        jinja2.utils.Namespace.__setitem__(self, name, checked(value))
 
     @staticmethod
     def _check(name: Any) -> None:
@@ -306,11 +322,12 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
 
 
-def template_environment() -> ImmutableSandboxedEnvironment:
-    """The Jinja environment transformers renders chat templates in: sandboxed, trimmed, same helpers."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+def template_environment() -> BoundedSandboxedEnvironment:
+    """The Jinja environment transformers renders chat templates in: sandboxed, trimmed, same helpers; bounded in
+    time and size when rendered through `template_sandbox.render`."""
+    env = BoundedSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -325,6 +342,8 @@ def compile_template(source: str, name: str = "chat template") -> jinja2.Templat
         return template_environment().from_string(source)
     except jinja2.TemplateSyntaxError as err:
         raise CheckpointError(f"chat template of {name} does not parse: {err}") from err
+    except RecursionError:
+        raise CheckpointError(f"chat template of {name} nests too deeply to compile") from None
 
 
 class IncrementalDetokenizer:
