@@ -442,8 +442,11 @@ class StopStringMatcher:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
         best = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
+            # candidate suffixes start where text holds s[0]: a find per candidate, not a comparison per length
+            at = text.find(s[0], max(len(text) - len(s) + 1, 0))
+            while 0 <= at and len(text) - at > best:
+                if s.startswith(text[at:]):
+                    best = len(text) - at
                     break
+                at = text.find(s[0], at + 1)
         return best
