@@ -361,9 +361,9 @@ class Scheduler:
             return
         req = handle.request
         fresh = req.logprobs[handle.num_delivered:len(req.generated_tokens)]
-        if any(entry is not None and math.isnan(entry[0]) for entry in fresh):  # the sampler's NaN-row sign
+        if any(entry is not None and not math.isfinite(entry[0]) for entry in fresh):  # NaN or inf logits
             self._release(handle)
-            handle.fail(NumericsError(f"request {req.request_id!r}: the model's logits were not finite (NaN), so "
+            handle.fail(NumericsError(f"request {req.request_id!r}: the model's logits were not finite (NaN or inf), so "
                                       f"no token can be sampled; a broken checkpoint, or a hook that made them NaN"))
             return
         stopped = handle.push(req.generated_tokens[handle.num_delivered:])  # True: a stop string ended the text
