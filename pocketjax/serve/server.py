@@ -161,6 +161,9 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check(body)
+        if (body.n or 1) > limits.max_choices:
+            raise APIError(400, f"n={body.n} is over this server's limit of {limits.max_choices} completions per "
+                                f"request", param="n")
         options = template_options(body.chat_template_kwargs, trust_request_chat_template)
         messages = body.chat_messages()
         if json_size(messages, "messages") + json_size(options, "chat_template_kwargs") > max_chars:
