@@ -21,6 +21,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
 from ..errors import CheckpointError, RequestError
+from ..model.checkpoint import contained
+from ..model.config import read_json_object
 from ..model.hub import resolve_checkpoint
 from .template_sandbox import (DEFAULT_LIMITS, BoundedSandboxedEnvironment, RenderLimitError, RenderLimits, checked,
                                render)
@@ -72,26 +74,30 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise CheckpointError(f"{tokenizer_file} is missing: pocketjax needs the fast tokenizer file")
         try:
-            backend = BackendTokenizer.from_file(str(tokenizer_file))
+            backend = BackendTokenizer.from_file(str(contained(folder, TOKENIZER_FILE)))
+        except CheckpointError:
+            raise
         except Exception as err:  # tokenizers raises plain Exception for bad JSON or unknown components
             raise CheckpointError(f"{tokenizer_file} is corrupt or unsupported: {err}") from err
         config = {}
         config_file = folder / CONFIG_FILE
         if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except (ValueError, OSError) as err:
-                raise CheckpointError(f"{config_file} is not valid JSON: {err}") from err
-            if not isinstance(config, dict):
-                raise CheckpointError(f"{config_file} must hold a JSON object")
+            config = read_json_object(contained(folder, CONFIG_FILE), CheckpointError)
         # Like transformers: template files, when present, replace the templates in tokenizer_config.json.
         templates = {}
-        if (folder / TEMPLATE_FILE).is_file():
-            templates["default"] = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
-        if (folder / TEMPLATE_DIR).is_dir():
-            for file in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
-                templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
-        return cls(backend, config, templates or None, name=str(folder))
+        try:
+            if (folder / TEMPLATE_FILE).is_file():
+                templates["default"] = contained(folder, TEMPLATE_FILE).read_text(encoding="utf-8")
+            if (folder / TEMPLATE_DIR).is_dir():
+                for file in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
+                    name = f"{TEMPLATE_DIR}/{file.name}"
+                    templates[file.name.removesuffix(".jinja")] = contained(folder, name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"a chat template file of {folder} cannot be read: {err}") from err
+        try:
+            return cls(backend, config, templates or None, name=str(folder))
+        except (TypeError, KeyError, ValueError, AttributeError) as err:  # a field of the wrong shape
+            raise CheckpointError(f"{config_file} has a malformed field: {type(err).__name__}: {err}"[:500]) from err
 
     def _register_added_tokens(self) -> None:
         """Add what transformers adds on load: tokenizer_config's added_tokens_decoder and named special tokens.
@@ -225,9 +231,10 @@ def _template_dict(templates: Mapping[str, str] | Sequence[Mapping[str, str]] | 
         return {}
     if isinstance(templates, str):
         return {"default": templates}
-    if isinstance(templates, Mapping):
-        return dict(templates)
-    return {t["name"]: t["template"] for t in templates}
+    found = dict(templates) if isinstance(templates, Mapping) else {t["name"]: t["template"] for t in templates}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+        raise TypeError("chat_template must be a string, or named templates that are strings")
+    return found
 
 
 def _plain(value: Any) -> Any:
