@@ -221,8 +221,10 @@ class Tokenizer:
 def _token_content(value: Any) -> str | None:
     """A special token from tokenizer_config.json: a string, or a serialized AddedToken dict."""
     if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"a special token must be a string or an AddedToken object, got {value!r:.80}")
+    return value
 
 
 def _template_dict(templates: Mapping[str, str] | Sequence[Mapping[str, str]] | str | None) -> dict[str, str]:
