@@ -20,6 +20,7 @@ import numpy as np
 from . import prequantized
 from .config import ModelConfig
 from ..errors import CheckpointError
+from .files import contained  # noqa: F401 - re-exported: the loader's one containment check
 
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -37,27 +38,6 @@ DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_RANK = 8
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def contained(folder: str | Path, name: str) -> Path:
-    """`folder / name`, once it resolves (symlinks followed) inside the folder, or inside the Hub cache's blob store
-    when the folder is a snapshot (`models--*/snapshots/<rev>`, whose files are links to `../../blobs/<hash>`).
-    A checkpoint naming anything else (`../../etc/passwd`, another model's file, a link out) is a CheckpointError
-    that names only what the checkpoint wrote: the outside file is never opened."""
-    folder = Path(folder)
-    if not isinstance(name, str) or not name or "\0" in name:
-        raise CheckpointError(f"{folder}: a checkpoint file name must be a non-empty string, got {name!r:.80}")
-    root = folder.resolve()
-    roots = [root]
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith(("models--", "datasets--")):
-        roots.append(root.parent.parent / "blobs")
-    try:
-        target = (folder / name).resolve()
-    except (OSError, RuntimeError) as e:  # a symlink loop
-        raise CheckpointError(f"{folder}: {name!r:.200} cannot be resolved: {type(e).__name__}") from None
-    if not any(target.is_relative_to(r) for r in roots):
-        raise CheckpointError(f"{folder}: {name!r:.200} resolves outside the checkpoint folder; refusing to read it")
-    return target
 
 
 class SafetensorsFile:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .files import contained
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -76,7 +77,6 @@ def token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
 
 def read_generation_eos(folder: str | Path, vocab_size: int) -> tuple[int, ...]:
     """generation_config.json's eos_token_id (what generate() stops on), checked; () when the file is absent."""
-    from .checkpoint import contained  # checkpoint imports this module
     file = Path(folder) / "generation_config.json"
     if not file.exists():
         return ()
@@ -229,7 +229,6 @@ class ModelConfig:
     @classmethod
     def from_folder(cls, path: str | Path) -> "ModelConfig":
         """Read `path/config.json`; a missing or unparsable file raises ConfigError."""
-        from .checkpoint import contained  # checkpoint imports this module
         file = Path(path) / "config.json"
         if not file.exists():
             raise ConfigError(f"{file} not found")
