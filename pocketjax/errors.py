@@ -21,6 +21,11 @@ class SamplingError(RequestError):
     """A sampling parameter is out of its documented range."""
 
 
+class NumericsError(PocketJaxError, ArithmeticError):
+    """The model computed non-finite logits for a request (a broken checkpoint, or a hook that made them NaN): that
+    request fails, the others sharing its steps go on."""
+
+
 class CapacityError(PocketJaxError):
     """No free slot, the waiting queue is full, or the memory asked for exceeds what the device has free."""
 

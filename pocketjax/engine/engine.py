@@ -7,10 +7,8 @@ one before (the Scheduler's policy); `batch_decode_step` does both.
 """
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -19,6 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import CapacityError, ConfigError, RequestError, SamplingError
+from ..model.config import read_generation_eos
 from ..model.decoder import Hook, Model
 from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
@@ -83,11 +82,8 @@ def logprob_entry(out: SampleOutput, index: int | tuple[int, ...], n: int) -> tu
 def read_eos_ids(model: Model) -> frozenset[int]:
     """EOS ids from generation_config.json (what generate() uses) and config.json."""
     ids = set(model.config.eos_token_ids)
-    if model.path:
-        gen = Path(model.path) / "generation_config.json"
-        if gen.exists():
-            eos = json.loads(gen.read_text()).get("eos_token_id")
-            ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    if model.path:  # checked: ids in the vocabulary, the file inside the checkpoint folder (ConfigError otherwise)
+        ids |= set(read_generation_eos(model.path, model.config.vocab_size))
     return frozenset(ids)
 
 

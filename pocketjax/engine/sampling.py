@@ -34,6 +34,11 @@ MAX_LOGPROBS = 20  # most top-n logprobs a request may ask for (OpenAI's limit)
 NUM_CANDIDATES = 256  # tokens per row the filtering fast path inspects; top_k above it takes the exact fallback
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM): logits / 1e-30 would overflow
 PENALTY_RANGE = 2.0  # presence/frequency penalties live in [-2, 2] (OpenAI)
+MAX_STOP_STRINGS = 64  # stop strings per request: each is matched on the host after every token (OpenAI allows 4)
+MAX_STOP_CHARS = 4096  # their total length: the matcher's work per token grows with it
+MAX_STOP_TOKEN_IDS = 1024
+INT32_MAX = 2**31 - 1  # top_k is packed as int32
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # float fields are packed as float32
 
 
 def _is_int(value: object) -> bool:
@@ -42,6 +47,17 @@ def _is_int(value: object) -> bool:
 
 def _is_real(value: object) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _is_f32(value: object) -> bool:
+    """A real number that float32 holds as a finite value (a Python int past float's range is not one)."""
+    if not _is_real(value):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:
+        return False
+    return math.isfinite(number) and abs(number) <= FLOAT32_MAX
 
 
 def _as_tuple(value: object) -> object:
@@ -94,17 +110,17 @@ class SamplingParams:
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             fail("max_tokens", "must be an int >= 1")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
-            fail("temperature", "must be a finite number >= 0 (0 means greedy)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            fail("top_k", "must be an int >= 0 (0 means off)")
-        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            fail("top_p", "must be in (0, 1]")
+        if not _is_f32(self.temperature) or self.temperature < 0:
+            fail("temperature", "must be a finite number >= 0 (0 means greedy) that float32 holds")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= INT32_MAX:
+            fail("top_k", f"must be an int in [0, {INT32_MAX}] (0 means off)")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0 or np.float32(self.top_p) <= 0:
+            fail("top_p", "must be in (0, 1] (and above 0 in float32)")
         if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             fail("min_p", "must be in [0, 1]")
         rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
-            fail("repetition_penalty", "must be a finite number > 0 (1 means off)")
+        if not _is_f32(rp) or rp <= 0 or np.float32(rp) <= 0:
+            fail("repetition_penalty", "must be a finite number > 0 (1 means off) that float32 holds")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -PENALTY_RANGE <= value <= PENALTY_RANGE:
@@ -114,10 +130,16 @@ class SamplingParams:
         ids = self.stop_token_ids
         if not isinstance(ids, tuple) or not all(_is_int(t) and t >= 0 for t in ids):
             fail("stop_token_ids", "must be a sequence of ints >= 0")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            fail("stop_token_ids", f"must hold at most {MAX_STOP_TOKEN_IDS} ids")
         if vocab_size is not None and any(t >= vocab_size for t in ids):
             fail("stop_token_ids", f"must be < vocab_size {vocab_size}")
         if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
             fail("stop", "must be a sequence of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or sum(map(len, self.stop)) > MAX_STOP_CHARS:
+            raise SamplingError(f"SamplingParams.stop must hold at most {MAX_STOP_STRINGS} strings of "
+                                f"{MAX_STOP_CHARS} characters in all, got {len(self.stop)} of "
+                                f"{sum(map(len, self.stop))}")
         if not isinstance(self.ignore_eos, (bool, np.bool_)):
             fail("ignore_eos", "must be a bool")
         if not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -358,11 +380,14 @@ def _argmax(x: jax.Array) -> jax.Array:
     """Returns i32[S]: the first index of each row's maximum, like jnp.argmax.
 
     Two plain reductions: XLA:CPU runs jnp.argmax's (value, index) reduction unvectorized, and with the Gumbel
-    noise fused into it that took ~40 ms for 8 x 151,936 against ~6 ms this way (measured).
+    noise fused into it that took ~40 ms for 8 x 151,936 against ~6 ms this way (measured). A row holding NaN has no
+    maximum (nothing equals it): it gets 0, never the out-of-vocabulary id V; its logprob is not finite, which the
+    scheduler fails that request on.
     """
     best = jnp.max(x, axis=-1, keepdims=True)
     index = lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    return jnp.min(jnp.where(x == best, index, x.shape[-1]), axis=-1)
+    first = jnp.min(jnp.where(x == best, index, x.shape[-1]), axis=-1)
+    return jnp.where(first < x.shape[-1], first, 0)
 
 
 def _top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:

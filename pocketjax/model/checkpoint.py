@@ -7,6 +7,7 @@ corrupt file fail with a CheckpointError that names it. Nothing is ever unpickle
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import struct
 from collections.abc import Callable, Iterable, Iterator
@@ -19,6 +20,7 @@ import numpy as np
 from . import prequantized
 from .config import ModelConfig
 from ..errors import CheckpointError
+from .files import contained  # noqa: F401 - re-exported: the loader's one containment check
 
 SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -34,6 +36,8 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
 }
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_RANK = 8
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class SafetensorsFile:
@@ -59,21 +63,33 @@ class SafetensorsFile:
             header = json.loads(bytes(self._mmap[8 : 8 + n]))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{self.path} has a corrupt header: {e}") from e
+        except RecursionError:
+            raise CheckpointError(f"{self.path} has a corrupt header: nested too deeply") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{self.path} has a corrupt header: not a JSON object")
-        header.pop("__metadata__", None)
+        metadata = header.pop("__metadata__", None)
+        if metadata is not None and not (isinstance(metadata, dict)
+                                         and all(isinstance(v, str) for v in metadata.values())):
+            raise CheckpointError(f"{self.path}: __metadata__ must map strings to strings")
         self._data_start = 8 + n
+        spans = []
         for name, info in header.items():
-            try:
-                dtype = SAFETENSORS_DTYPES[info["dtype"]]
-                begin, end = info["data_offsets"]
-                count = int(np.prod(info["shape"], dtype=np.int64))
-            except (KeyError, TypeError, ValueError) as e:
-                raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r}") from e
-            if end - begin != count * dtype.itemsize or begin < 0:
-                raise CheckpointError(f"{self.path}: tensor {name!r} has inconsistent offsets for its shape")
+            if not (isinstance(info, dict) and isinstance(info.get("dtype"), str) and _ints(info.get("shape"))
+                    and _ints(info.get("data_offsets")) and len(info["data_offsets"]) == 2
+                    and len(info["shape"]) <= MAX_RANK and info["dtype"] in SAFETENSORS_DTYPES):
+                raise CheckpointError(f"{self.path}: corrupt header entry for tensor {name!r:.200} (dtype, shape "
+                                      f"and data_offsets must be a known dtype and lists of non-negative ints)")
+            begin, end = info["data_offsets"]
+            count = math.prod(info["shape"])  # Python ints: no overflow
+            if begin > end or end - begin != count * SAFETENSORS_DTYPES[info["dtype"]].itemsize:
+                raise CheckpointError(f"{self.path}: tensor {name!r:.200} has inconsistent offsets for its shape")
             if self._data_start + end > size:
-                raise CheckpointError(f"{self.path} is truncated: tensor {name!r} ends past the end of the file")
+                raise CheckpointError(f"{self.path} is truncated: tensor {name!r:.200} ends past the end of the file")
+            spans.append((begin, end, name))
+        spans.sort()
+        for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+            if begin < end:
+                raise CheckpointError(f"{self.path}: tensors {first!r:.100} and {second!r:.100} overlap in the file")
         return header
 
     def keys(self) -> list[str]:
@@ -113,26 +129,44 @@ def write_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata
 def open_checkpoint(folder: str | Path) -> dict[str, SafetensorsFile]:
     """Map every tensor name of a checkpoint folder (single file or sharded index) to its open file."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
+    index = folder / INDEX_FILE
     if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{index} is corrupt: {e}") from e
-        files = {name: SafetensorsFile(folder / name) for name in sorted(set(weight_map.values()))}
+        weight_map = read_index(contained(folder, INDEX_FILE))
+        files = {name: SafetensorsFile(contained(folder, name)) for name in sorted(set(weight_map.values()))}
         for name, file in weight_map.items():
             if name not in files[file].header:
-                raise CheckpointError(f"tensor {name!r} is listed in {index.name} but missing from {file}")
+                raise CheckpointError(f"tensor {name!r:.200} is listed in {index.name} but missing from {file}")
         return {name: files[file] for name, file in weight_map.items()}
     single = folder / "model.safetensors"
     if not single.exists():
         candidates = sorted(folder.glob("*.safetensors"))
         if not candidates:
-            raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {folder}")
-        files = [SafetensorsFile(p) for p in candidates]
+            raise CheckpointError(f"no model.safetensors or {INDEX_FILE} in {folder}")
+        files = [SafetensorsFile(contained(folder, p.name)) for p in candidates]
     else:
-        files = [SafetensorsFile(single)]
+        files = [SafetensorsFile(contained(folder, single.name))]
     return {name: f for f in files for name in f.keys()}
+
+
+def read_index(index: Path) -> dict[str, str]:
+    """A sharded checkpoint's weight_map (tensor name -> shard file name), checked for shape."""
+    try:
+        data = json.loads(index.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise CheckpointError(f"{index} is corrupt: {e}") from e
+    except RecursionError:
+        raise CheckpointError(f"{index} is corrupt: nested too deeply") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index} is corrupt: it needs a non-empty 'weight_map' object")
+    if not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError(f"{index} is corrupt: every weight_map value must be a shard file name")
+    return weight_map
+
+
+def _ints(value: Any) -> bool:
+    """A list of non-negative ints (JSON true/false are not ints here)."""
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
 def layer_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -15,10 +15,73 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .files import contained
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "yarn")
+# Upper bounds far past any released Qwen (the largest: 64 layers, hidden 8192, vocab 152K, 1M positions), so a
+# config.json cannot make the planner or the loader loop or allocate without end (num_hidden_layers: 10**9 hung it).
+MAX_SIZES = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1024,
+             "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 1024,
+             "max_position_embeddings": 1 << 24}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _size(cfg: dict[str, Any], key: str, default: Any = None) -> int:
+    """A positive integer field within MAX_SIZES, else ConfigError naming it."""
+    value = cfg.get(key, default)
+    if not _is_int(value) or not 0 < value <= MAX_SIZES[key]:
+        raise ConfigError(f"{key} must be an integer in [1, {MAX_SIZES[key]}], got {value!r:.80}")
+    return value
+
+
+def _number(value: Any, name: str, low: float, high: float = math.inf) -> float:
+    """A finite real number in (low, high), else ConfigError (NaN, Infinity, strings and bools are not numbers)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number, got {value!r:.80}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not (math.isfinite(number) and low < number < high):
+        raise ConfigError(f"{name} must be a finite number in ({low:g}, {high:g}), got {value!r:.80}")
+    return number
+
+
+def read_json_object(file: Path, error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """A checkpoint's JSON file holding one object: any way it is not one is `error`, never a TypeError."""
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise error(f"{file} not found") from e
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError) as e:
+        raise error(f"{file} is not valid JSON: {e}") from e
+    except RecursionError:
+        raise error(f"{file} nests too deeply") from None
+    if not isinstance(data, dict):
+        raise error(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def token_ids(value: Any, name: str, vocab_size: int) -> tuple[int, ...]:
+    """An id or list of ids (eos_token_id) as a tuple, each in [0, vocab_size); None is ()."""
+    ids = () if value is None else tuple(value) if isinstance(value, list) else (value,)
+    if not all(_is_int(i) and 0 <= i < vocab_size for i in ids):
+        raise ConfigError(f"{name} must be token ids in [0, {vocab_size}), got {value!r:.80}")
+    return ids
+
+
+def read_generation_eos(folder: str | Path, vocab_size: int) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (what generate() stops on), checked; () when the file is absent."""
+    file = Path(folder) / "generation_config.json"
+    if not file.exists():
+        return ()
+    return token_ids(read_json_object(contained(folder, file.name)).get("eos_token_id"),
+                     "generation_config.json eos_token_id", vocab_size)
 
 
 @dataclass(frozen=True)
@@ -94,19 +157,21 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
         """Parse and check a config.json dict; raises ConfigError naming the offending field."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
             raise ConfigError(
-                f"model_type={model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+                f"model_type={model_type!r:.80} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
             if key not in cfg:
                 raise ConfigError(f"config.json is missing the required field {key!r}")
-            if not isinstance(cfg[key], int) or cfg[key] <= 0:
-                raise ConfigError(f"{key} must be a positive integer, got {cfg[key]!r}")
+            _size(cfg, key)
         hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
-        kv_heads = cfg.get("num_key_value_heads") or heads
-        if not isinstance(kv_heads, int) or kv_heads <= 0 or heads % kv_heads:
+        kv_heads = cfg.get("num_key_value_heads")
+        kv_heads = heads if kv_heads is None else kv_heads
+        if not _is_int(kv_heads) or kv_heads <= 0 or heads % kv_heads:
             raise ConfigError(
                 f"num_key_value_heads={kv_heads!r} must be a positive divisor of num_attention_heads={heads}"
             )
@@ -117,27 +182,29 @@ class ModelConfig:
                     f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and no head_dim is given"
                 )
             head_dim = hidden // heads
-        if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
-            raise ConfigError(f"head_dim must be a positive even integer, got {head_dim!r}")
+        if not _is_int(head_dim) or not 0 < head_dim <= MAX_SIZES["head_dim"] or head_dim % 2:
+            raise ConfigError(f"head_dim must be a positive even integer up to {MAX_SIZES['head_dim']}, got "
+                              f"{head_dim!r:.80}")
         act = cfg.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"hidden_act={act!r} is not supported (Qwen uses 'silu')")
         if cfg.get("use_sliding_window"):
             raise ConfigError("use_sliding_window=true is not supported (sliding-window attention)")
-        eps = cfg.get("rms_norm_eps", 1e-6)
-        if not isinstance(eps, (int, float)) or eps <= 0:
-            raise ConfigError(f"rms_norm_eps must be positive, got {eps!r}")
-        max_pos = cfg.get("max_position_embeddings", 32768)
-        if not isinstance(max_pos, int) or max_pos <= 0:
-            raise ConfigError(f"max_position_embeddings must be a positive integer, got {max_pos!r}")
+        eps = _number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", 0.0, 1.0)
+        max_pos = _size(cfg, "max_position_embeddings", 32768)
+        for key in ("tie_word_embeddings", "attention_bias", "use_sliding_window"):
+            if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+                raise ConfigError(f"{key} must be true or false, got {cfg[key]!r:.80}")
+        bos = cfg.get("bos_token_id")
+        if bos is not None and not (_is_int(bos) and 0 <= bos < cfg["vocab_size"]):
+            raise ConfigError(f"bos_token_id must be a token id in [0, {cfg['vocab_size']}), got {bos!r:.80}")
         if model_type == "qwen2":
             bias = cfg.get("attention_bias", True)
             if bias is False:
                 raise ConfigError("attention_bias=false contradicts model_type 'qwen2', which always has QKV bias")
         else:
             bias = bool(cfg.get("attention_bias", False))
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos_ids = token_ids(cfg.get("eos_token_id"), "eos_token_id", cfg["vocab_size"])
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -163,13 +230,9 @@ class ModelConfig:
     def from_folder(cls, path: str | Path) -> "ModelConfig":
         """Read `path/config.json`; a missing or unparsable file raises ConfigError."""
         file = Path(path) / "config.json"
-        try:
-            cfg = json.loads(file.read_text())
-        except FileNotFoundError as e:
-            raise ConfigError(f"{file} not found") from e
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{file} is not valid JSON: {e}") from e
-        return cls.from_dict(cfg)
+        if not file.exists():
+            raise ConfigError(f"{file} not found")
+        return cls.from_dict(read_json_object(contained(path, file.name)))
 
 
 def parse_dtype(cfg: dict[str, Any]) -> str:
@@ -198,7 +261,7 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantizationConfig | None:
     if bits != 4:
         raise ConfigError(f"{method} with bits={bits!r} is not supported (supported: 4)")
     group = qc.get("group_size", qc.get("q_group_size", 128))
-    if not isinstance(group, int) or (group <= 0 and group != -1):
+    if not _is_int(group) or (group <= 0 and group != -1) or group > MAX_SIZES["intermediate_size"]:
         raise ConfigError(f"quantization_config.group_size={group!r} must be a positive integer or -1")
     if method == "awq":
         version = str(qc.get("version", "gemm")).lower()
@@ -220,25 +283,33 @@ def parse_rope(cfg: dict[str, Any]) -> RopeConfig:
     if not isinstance(params, dict) or not isinstance(scaling, dict):
         raise ConfigError("rope_parameters and rope_scaling must be JSON objects")
     theta_old, theta_new = cfg.get("rope_theta"), params.get("rope_theta")
+    for name, value in (("rope_theta", theta_old), ("rope_parameters.rope_theta", theta_new)):
+        if value is not None:
+            _number(value, name, 0.0)
     if theta_old is not None and theta_new is not None and float(theta_old) != float(theta_new):
         raise ConfigError(f"rope_theta={theta_old} contradicts rope_parameters.rope_theta={theta_new}")
     theta = theta_new if theta_new is not None else theta_old
     if theta is None:
         theta = 10000.0
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise ConfigError(f"rope_theta must be positive, got {theta!r}")
     merged = {**scaling, **{k: v for k, v in params.items() if k != "rope_theta"}}
     for key in set(scaling) & set(params):
         if scaling[key] != params[key]:
             raise ConfigError(f"rope_scaling.{key}={scaling[key]!r} contradicts rope_parameters.{key}={params[key]!r}")
     rope_type = merged.pop("rope_type", None) or merged.pop("type", None) or "default"
     merged.pop("type", None)
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"rope_scaling type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+    if not isinstance(rope_type, str) or rope_type not in ROPE_TYPES:
+        raise ConfigError(f"rope_scaling type {rope_type!r:.80} is not supported (supported: {', '.join(ROPE_TYPES)})")
     if rope_type in ("linear", "yarn"):
         factor = merged.get("factor")
-        if not isinstance(factor, (int, float)) or factor < 1:
+        if _number(factor, "rope_scaling.factor", 0.0, 1e6) < 1:
             raise ConfigError(f"rope_scaling.factor must be a number >= 1 for {rope_type!r}, got {factor!r}")
+    for key in ("attention_factor", "mscale", "mscale_all_dim", "beta_fast", "beta_slow"):
+        if merged.get(key) is not None:
+            _number(merged[key], f"rope_scaling.{key}", -1e6, 1e6)  # finite: they scale every frequency
+    original = merged.get("original_max_position_embeddings")
+    if original is not None and not (_is_int(original) and 0 < original <= MAX_SIZES["max_position_embeddings"]):
+        raise ConfigError(f"rope_scaling.original_max_position_embeddings must be a positive integer, got "
+                          f"{original!r:.80}")
     if merged.get("partial_rotary_factor", 1.0) != 1.0:
         raise ConfigError("partial_rotary_factor != 1 is not supported")
     return RopeConfig(theta=float(theta), rope_type=rope_type, params=tuple(sorted(merged.items())))

@@ -8,7 +8,7 @@ import sys
 import time
 
 from ..engine.config import ENVIRONMENT, EngineConfig
-from ..errors import PocketJaxError
+from ..errors import ConfigError, PocketJaxError
 from ..engine.sampling import SamplingParams
 from ..model.config import DTYPES
 from ..model.kv_cache import KV_DTYPES
@@ -141,13 +141,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
+    from .http_guard import ServerLimits
     from .server import default_model_name, serve
-    api_key = args.api_key or os.environ.get("POCKETJAX_API_KEY") or None
+    api_key = args.api_key if args.api_key is not None else os.environ.get("POCKETJAX_API_KEY")
+    if api_key is not None and not api_key.strip():  # an empty key would silently turn authentication off
+        raise ConfigError("--api-key (or $POCKETJAX_API_KEY) is empty: give a key, or leave it unset for no key")
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+                          header_timeout_s=args.header_timeout, max_connections=args.max_connections,
+                          max_prompt_chars=args.max_prompt_chars)  # checked before the model loads
     with make_llm(args) as llm:
         if follows(llm):
             return 0
         serve(llm, args.host, args.port, api_key=api_key, max_waiting=args.max_waiting, log_level=args.log_level,
-              model_name=args.served_model_name or args.model or default_model_name(llm))
+              model_name=args.served_model_name or args.model or default_model_name(llm),
+              trust_request_chat_template=args.trust_request_chat_template, limits=limits)
     return 0
 
 
@@ -160,6 +167,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                                                              "embedded model's name)")
     p.add_argument("--max-waiting", type=int, default=1024, help="queued requests before new ones get 429")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    guard = p.add_argument_group("untrusted clients (docs/security.md)")
+    guard.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests pass chat_template_kwargs.chat_template (a template is code; default: 400)")
+    guard.add_argument("--max-body-bytes", type=int, default=8 << 20, help="request body limit (413 past it)")
+    guard.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a body (408 past it)")
+    guard.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds for a request's headers to arrive before the connection is closed")
+    guard.add_argument("--max-connections", type=int, default=512,
+                       help="concurrent connections (503 past it); keep it under `ulimit -n`")
+    guard.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longest text prompt or conversation (default: 32 characters per token of --max-seq-len)")
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:

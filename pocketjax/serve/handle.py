@@ -122,7 +122,12 @@ class RequestHandle:
                 if not any(new) and not finished:
                     self._waiters.append((loop, event))
             if not any(new) and not finished:
-                await event.wait()
+                try:
+                    await event.wait()
+                finally:  # a reader that timed out or was cancelled leaves no waiter behind
+                    with self._cond:
+                        if (loop, event) in self._waiters:
+                            self._waiters.remove((loop, event))
                 continue
             if any(new):
                 yield new
@@ -178,8 +183,13 @@ class RequestHandle:
             self._wake()
 
     def _wake(self) -> None:
-        """Wake sync readers and async readers; called with self._cond held."""
+        """Wake sync readers and async readers; called with self._cond held. A waiter whose event loop has closed
+        (its reader gave up and the loop ended) is dropped: the producer is the scheduler's thread, which must not
+        die of a reader that left."""
         self._cond.notify_all()
         for loop, event in self._waiters:
-            loop.call_soon_threadsafe(event.set)
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # "Event loop is closed"
+                pass
         self._waiters.clear()

@@ -114,10 +114,17 @@ class ChatCompletionRequest(SamplingFields):
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
     def chat_messages(self) -> list[dict[str, Any]]:
-        """The messages with text-only content parts joined into one string (what text-only templates expect)."""
+        """The messages with text-only content parts joined into one string (what text-only templates expect); 400
+        for a part that is not text (images, audio: this server serves text models)."""
         out = []
-        for message in self.messages:
+        for i, message in enumerate(self.messages):
             content = message.get("content")
+            if isinstance(content, list):
+                for part in content:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    if kind != "text" or not isinstance(part.get("text", ""), str):
+                        raise APIError(400, f"messages[{i}].content: only text parts are supported, got {kind!r:.40}",
+                                       param="messages")
             if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
                 message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
             out.append(message)

@@ -20,18 +20,21 @@ many processes there are.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from ..engine.engine import Engine, PendingDecode
 from ..engine.request import BatchedRequest, RequestStatus
 from ..engine.sampling import SamplingParams
 from ..engine.slots import hashable
-from ..errors import CapacityError, ConfigError, DistributedError, PocketJaxError, RequestError, StoppedError
+from ..errors import (CapacityError, ConfigError, DistributedError, NumericsError, PocketJaxError, RequestError,
+                      StoppedError)
 from .distributed import ProcessGroup
 from .handle import RequestHandle
 from .lockstep import protocol
@@ -130,11 +133,11 @@ class Scheduler:
         prefilling = [h for h in batch if h.request.status is RequestStatus.PREFILLING]
         decoding = [h for h in batch if h.request.status is RequestStatus.DECODING]
         self._run(prefilling, self.engine.batch_prefill, [h.request for h in prefilling],
-                  token_budget=self.prefill_token_budget)
+                  token_budget=self.prefill_token_budget, alone=self._prefill_alone)
         if self.pipeline:
             self._decode_pipelined(decoding)
         else:
-            self._run(decoding, self.engine.batch_decode_step, [h.request for h in decoding])
+            self._run(decoding, self.engine.batch_decode_step, [h.request for h in decoding], alone=self._decode_alone)
         self._hand_out(batch)
         with self._cond:
             return self.has_work()
@@ -233,19 +236,50 @@ class Scheduler:
                 continue
             self.running.append(handle)
 
-    def _run(self, handles: list[RequestHandle], call, *args: Any, **kwargs: Any) -> Any:
-        """One engine call for `handles`; if it raises, only they fail (their slots are freed) and it returns None."""
+    def _run(self, handles: list[RequestHandle], call, *args: Any, alone=None, **kwargs: Any) -> Any:
+        """One engine call for `handles`; if it raises, only they fail (their slots are freed) and it returns None.
+
+        With `alone` (a function running one handle's request by itself), a failed call that left the requests and
+        the cache as they were is retried request by request, so only the ones that fail alone fail (a request whose
+        hook raises at the real shapes, say) and the others make their step: one request cannot fail its batch-mates.
+        """
         if not handles:
             return None
+        before = _progress(handles)
         try:
             return call(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 - any failure belongs to these requests, not to the loop
             self.lockstep.step_failed(error)  # raises DistributedError where the processes can no longer stay in step
-            with self._cond:
-                for handle in [h for h in handles if not h.done()]:  # one that already finished keeps its result
-                    self._release(handle)
-                    handle.fail(error)
+            if (alone is not None and len(handles) > 1 and self.group is None and _progress(handles) == before
+                    and self._engine_intact()):
+                for handle in handles:
+                    if handle.done() or handle.request.finished:
+                        continue
+                    try:
+                        alone(handle)
+                    except Exception as own:  # noqa: BLE001 - this request's own failure
+                        self._fail(handle, own)
+                return None
+            for handle in handles:
+                self._fail(handle, error)
             return None
+
+    def _fail(self, handle: RequestHandle, error: BaseException) -> None:
+        with self._cond:
+            if not handle.done():  # one that already finished keeps its result
+                self._release(handle)
+                handle.fail(error)
+
+    def _prefill_alone(self, handle: RequestHandle) -> None:
+        self.engine.batch_prefill([handle.request], token_budget=self.prefill_token_budget)
+
+    def _decode_alone(self, handle: RequestHandle) -> None:
+        self.engine.batch_decode_step([handle.request])
+
+    def _engine_intact(self) -> bool:
+        """False when a failed call had already donated the cache (its buffers are gone): nothing can be re-run."""
+        leaves = jax.tree_util.tree_leaves((self.engine.cache, self.engine.penalties))
+        return not any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves)
 
     def _decode_pipelined(self, handles: list[RequestHandle]) -> None:
         """Queue the next decode step, then read the one in flight, whose tokens `step` hands out while it runs.
@@ -264,7 +298,7 @@ class Scheduler:
         if all(r.finished for r in requests):
             return
         if pending is None:
-            pending = self._run(handles, self.engine.decode_dispatch, requests)
+            pending = self._run(handles, self.engine.decode_dispatch, requests, alone=self._decode_alone)
         following = (self._run(handles, self.engine.decode_dispatch, requests, after=pending)
                      if pending is not None else None)
         if joined:
@@ -276,13 +310,22 @@ class Scheduler:
         """Deliver the new tokens of each handle's request."""
         with self._cond:
             for handle in handles:
-                self._deliver(handle)
+                try:
+                    self._deliver(handle)
+                except Exception as error:  # noqa: BLE001 - a failure delivering one request is that request's
+                    self._fail(handle, error)
 
     def _deliver(self, handle: RequestHandle) -> None:
         """Pass a request's new tokens to its handle; retire it if it finished. Holds `self._cond`."""
         if handle.done():
             return
         req = handle.request
+        fresh = req.logprobs[handle.num_delivered:len(req.generated_tokens)]
+        if any(entry is not None and not math.isfinite(entry[0]) for entry in fresh):  # NaN or inf logits
+            self._release(handle)
+            handle.fail(NumericsError(f"request {req.request_id!r}: the model's logits were not finite (NaN or inf), so "
+                                      f"no token can be sampled; a broken checkpoint, or a hook that made them NaN"))
+            return
         stopped = handle.push(req.generated_tokens[handle.num_delivered:])  # True: a stop string ended the text
         if stopped or req.finished:
             reason = "stop" if stopped else req.finish_reason
@@ -329,4 +372,10 @@ class Scheduler:
             self.waiting.clear()
             self.running.clear()
             self._live.clear()
+
+
+def _progress(handles: list[RequestHandle]) -> list[tuple]:
+    """What an engine call advances in each request: equal before and after a failed call means it changed nothing."""
+    return [(r.num_prefilled, len(r.generated_tokens), r.in_flight, r.status, r.finished)
+            for r in (h.request for h in handles)]
 

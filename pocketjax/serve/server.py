@@ -9,6 +9,7 @@ cancels its handles, which frees their slots at the next step.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -16,7 +17,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,8 +28,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.request import Completion
-from ..errors import CapacityError, ConfigError, PocketJaxError, RequestError, StoppedError
+from ..errors import CapacityError, CheckpointError, ConfigError, PocketJaxError, RequestError, StoppedError
 from .handle import RequestHandle
+from .http_guard import HTTPGuard, ServerLimits
 from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, StreamOptions,
                               TokenText, chat_logprobs, completion_logprobs, error_body, finish_reason, usage,
                               with_seed)
@@ -38,14 +41,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("pocketjax.server")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+# chat_template_kwargs set template variables only: these would replace the template or the conversation
+RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "conversation", "tools", "documents",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+                                      "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+MAX_JSON_DEPTH = 32  # nesting of messages and chat_template_kwargs (templates read a few levels)
+HOST_WORKERS = 4  # threads that render templates and tokenize, off the event loop
 
 
 def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = None,
-               max_waiting: int | None = None) -> FastAPI:
-    """A FastAPI app serving `llm` (whose scheduler it shares with any other caller); `api_key` guards /v1.
+               max_waiting: int | None = None, trust_request_chat_template: bool = False,
+               limits: ServerLimits | None = None) -> FastAPI:
+    """A FastAPI app serving `llm` (whose scheduler it shares with any other caller); `api_key` guards every route
+    but /health and /metrics, checked before the body is read.
 
     `max_waiting` bounds the scheduler's queue: past it a request gets 429 at once instead of waiting.
+    `trust_request_chat_template` lets `chat_template_kwargs.chat_template` replace the checkpoint's template (a
+    template is code; off, such a request gets 400). `limits`: body, prompt and connection bounds (ServerLimits).
     """
+    if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+        raise ConfigError("api_key must be a non-empty string (None: no key)")
+    limits = ServerLimits() if limits is None else limits
     if llm.tokenizer is None:
         raise ConfigError("serving needs a checkpoint with a tokenizer (tokenizer.json): responses are text")
     if max_waiting is not None:
@@ -57,6 +73,19 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     created = int(time.time())
     app = FastAPI(title="pocketjax", version="0.1.0")
     install_error_handlers(app)
+    app.add_middleware(HTTPGuard, api_key=api_key, limits=limits)
+    max_chars = limits.prompt_chars(llm.engine.max_seq_len)
+    pool = ThreadPoolExecutor(HOST_WORKERS, thread_name_prefix="pocketjax-host")
+
+    async def off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """fn(*args) on a host thread: templates and tokenization never stall the event loop (other clients)."""
+        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+
+    def encode(prompt: str | list) -> list[int]:
+        if isinstance(prompt, str) and len(prompt) > max_chars:
+            raise APIError(400, f"prompt of {len(prompt)} characters is over this server's limit of {max_chars}",
+                           param="prompt", code="prompt_too_long")
+        return llm.encode(prompt)
 
     async def authorize(request: Request) -> None:
         if api_key is None:
@@ -99,7 +128,10 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     async def completions(body: CompletionRequest, request: Request):
         check(body)
         prompts = prompt_list(body.prompt)
-        ids = [llm.encode(p) for p in prompts]
+        if len(prompts) * (body.n or 1) > limits.max_choices:
+            raise APIError(400, f"{len(prompts)} prompts x n={body.n or 1} is over this server's limit of "
+                                f"{limits.max_choices} completions per request", param="n")
+        ids = [await off_loop(encode, p) if isinstance(p, str) else encode(p) for p in prompts]
         echo, top = bool(body.echo), body.logprobs
         if body.stream and echo and top is not None:
             raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
@@ -129,8 +161,15 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check(body)
-        options = {"add_generation_prompt": True, **(body.chat_template_kwargs or {})}
-        prompt = llm.encode(llm.tokenizer.apply_chat_template(body.chat_messages(), **options))
+        if (body.n or 1) > limits.max_choices:
+            raise APIError(400, f"n={body.n} is over this server's limit of {limits.max_choices} completions per "
+                                f"request", param="n")
+        options = template_options(body.chat_template_kwargs, trust_request_chat_template)
+        messages = body.chat_messages()
+        if json_size(messages, "messages") + json_size(options, "chat_template_kwargs") > max_chars:
+            raise APIError(400, f"the conversation is over this server's limit of {max_chars} characters",
+                           param="messages", code="prompt_too_long")
+        prompt = await off_loop(render_prompt, llm, messages, options, encode)
         top = (body.top_logprobs or 0) if body.logprobs else None
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = body.sampling(budget(prompt, asked, None), top or 0)
@@ -147,6 +186,51 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
 
     app.include_router(v1)
     return app
+
+
+def template_options(kwargs: dict[str, Any] | None, trusted: bool) -> dict[str, Any]:
+    """apply_chat_template's keywords for a request: its chat_template_kwargs as template variables, after checking
+    that none replaces the conversation or the generation prompt, nor (unless trusted) the template; 400 naming it."""
+    kwargs = dict(kwargs or {})
+    for key in kwargs:
+        if key == "chat_template" and trusted:
+            if not isinstance(kwargs[key], str):
+                raise APIError(400, "chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs")
+            continue
+        if key == "chat_template":
+            raise APIError(400, "chat_template_kwargs.chat_template: request-supplied chat templates are off on this "
+                                "server (pocketjax serve --trust-request-chat-template turns them on)",
+                           param="chat_template_kwargs", code="chat_template_not_allowed")
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier() or key.startswith("_"):
+            raise APIError(400, f"chat_template_kwargs.{key!r} cannot be set: chat_template_kwargs only sets template "
+                                f"variables (the messages, tools and generation prompt come from the request)",
+                           param="chat_template_kwargs")
+    return {"add_generation_prompt": True, **kwargs}
+
+
+def render_prompt(llm: LLM, messages: list[dict[str, Any]], options: dict[str, Any],
+                  encode: Callable[[str], list[int]]) -> list[int]:
+    """The prompt ids of a conversation (on a host thread): a request template that does not parse is a 400."""
+    try:
+        text = llm.tokenizer.apply_chat_template(messages, **options)
+    except CheckpointError as error:
+        if "chat_template" not in options:
+            raise
+        raise APIError(400, f"chat_template_kwargs.chat_template: {error}", param="chat_template_kwargs") from None
+    return encode(text)
+
+
+def json_size(value: Any, param: str, depth: int = 0) -> int:
+    """Characters of the strings and keys in a JSON value; 400 past MAX_JSON_DEPTH levels of nesting."""
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"{param} nests deeper than {MAX_JSON_DEPTH} levels", param=param)
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(str(k)) + json_size(v, param, depth + 1) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(json_size(v, param, depth + 1) for v in value)
+    return 1
 
 
 @dataclass
@@ -328,6 +412,9 @@ def sse_response(events: AsyncIterator[dict]) -> StreamingResponse:
         except PocketJaxError as error:
             _, payload = error_response(error)
             yield f"data: {json.dumps(payload)}\n\n"
+        except Exception as error:  # noqa: BLE001 - a failure after the headers still ends the stream properly
+            log.exception("stream failed")
+            yield f"data: {json.dumps(error_body(f'internal error: {type(error).__name__}', 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream",
@@ -345,13 +432,20 @@ def error_response(error: PocketJaxError) -> tuple[int, dict[str, Any]]:
     return 500, error_body(str(error), "server_error")
 
 
+class ErrorResponse(JSONResponse):
+    """An error body as ASCII JSON: a message that quotes the request (a lone surrogate in `model`) always encodes."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error answers with OpenAI's error object: validation failures and malformed JSON as 400 (FastAPI
     would say 422), typed pocketjax errors by kind, unknown routes as 404, anything else as 500."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return ErrorResponse(error.body(), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -364,40 +458,47 @@ def install_error_handlers(app: FastAPI) -> None:
             message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
                                 for e in problems[:3])
             param = loc[0] if loc else None
-        return JSONResponse(error_body(message, param=param), status_code=400)
+        return ErrorResponse(error_body(message, param=param), status_code=400)
 
     @app.exception_handler(PocketJaxError)
     async def pocketjax_error(request: Request, error: PocketJaxError) -> JSONResponse:
         status, body = error_response(error)
-        return JSONResponse(body, status_code=status)
+        return ErrorResponse(body, status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+        return ErrorResponse(error_body(str(error.detail), kind), status_code=error.status_code)
 
     @app.exception_handler(Exception)
     async def crash(request: Request, error: Exception) -> JSONResponse:
         log.exception("unhandled error in %s", request.url.path)
-        return JSONResponse(error_body(f"internal error: {type(error).__name__}", "server_error"), status_code=500)
+        return ErrorResponse(error_body(f"internal error: {type(error).__name__}", "server_error"), status_code=500)
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
-          model_name: str | None = None, max_waiting: int | None = None, log_level: str = "info") -> None:
-    """Serve `llm` until interrupted (the CLI's `pocketjax serve`)."""
+          model_name: str | None = None, max_waiting: int | None = None, log_level: str = "info",
+          trust_request_chat_template: bool = False, limits: ServerLimits | None = None) -> None:
+    """Serve `llm` until interrupted (the CLI's `pocketjax serve`), with `limits` on bodies and connections."""
     import uvicorn
 
     if api_key is None and host not in LOOPBACK:
         log.warning("serving on %s without --api-key: anyone who can reach this port can use the model", host)
-    app = create_app(llm, model_name=model_name, api_key=api_key, max_waiting=max_waiting)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    if trust_request_chat_template:
+        log.warning("--trust-request-chat-template: clients may render their own chat templates (bounded in time "
+                    "and size, but code all the same)")
+    limits = ServerLimits() if limits is None else limits
+    app = create_app(llm, model_name=model_name, api_key=api_key, max_waiting=max_waiting,
+                     trust_request_chat_template=trust_request_chat_template, limits=limits)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **limits.uvicorn_options())
 
 
 class BackgroundServer:
     """uvicorn serving `app` on a daemon thread, on 127.0.0.1 and an ephemeral port by default (tests, benchmarks,
     notebooks): `with BackgroundServer(app) as server: OpenAI(base_url=server.url + "/v1", ...)`."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 limits: ServerLimits | None = None):
         import uvicorn
 
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -405,7 +506,8 @@ class BackgroundServer:
         self._socket.bind((host, port))
         self.host, self.port = host, self._socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        options = (ServerLimits() if limits is None else limits).uvicorn_options()  # as `serve` runs it
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **options))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="pocketjax-http", daemon=True)
 

@@ -16,13 +16,16 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
 
 from ..errors import CheckpointError, RequestError
+from ..model.checkpoint import contained
+from ..model.config import read_json_object
 from ..model.hub import resolve_checkpoint
+from .template_sandbox import (DEFAULT_LIMITS, BoundedSandboxedEnvironment, RenderLimitError, RenderLimits, checked,
+                               render)
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -31,6 +34,7 @@ TEMPLATE_DIR = "additional_chat_templates"     # named extra templates, one <nam
 # The named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REPLACEMENT_CHAR = "\ufffd"
+MAX_JSON_INDENT = 16  # tojson(indent=) multiplies each nesting level's lines: a wide indent is a size amplifier
 PROMPT_CONTEXT = 5  # prompt ids that streamed text is decoded after (as in vLLM)
 
 
@@ -48,6 +52,7 @@ class Tokenizer:
         if chat_templates is None:
             chat_templates = self.config.get("chat_template")
         self.chat_templates = _template_dict(chat_templates)
+        self.render_limits: RenderLimits = DEFAULT_LIMITS  # time and size bounds of every template render
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.eos_token_id = self.token_id(self.special_tokens.get("eos_token"))
         self.pad_token_id = self.token_id(self.special_tokens.get("pad_token"))
@@ -69,26 +74,30 @@ class Tokenizer:
         if not tokenizer_file.is_file():
             raise CheckpointError(f"{tokenizer_file} is missing: pocketjax needs the fast tokenizer file")
         try:
-            backend = BackendTokenizer.from_file(str(tokenizer_file))
+            backend = BackendTokenizer.from_file(str(contained(folder, TOKENIZER_FILE)))
+        except CheckpointError:
+            raise
         except Exception as err:  # tokenizers raises plain Exception for bad JSON or unknown components
             raise CheckpointError(f"{tokenizer_file} is corrupt or unsupported: {err}") from err
         config = {}
         config_file = folder / CONFIG_FILE
         if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except (ValueError, OSError) as err:
-                raise CheckpointError(f"{config_file} is not valid JSON: {err}") from err
-            if not isinstance(config, dict):
-                raise CheckpointError(f"{config_file} must hold a JSON object")
+            config = read_json_object(contained(folder, CONFIG_FILE), CheckpointError)
         # Like transformers: template files, when present, replace the templates in tokenizer_config.json.
         templates = {}
-        if (folder / TEMPLATE_FILE).is_file():
-            templates["default"] = (folder / TEMPLATE_FILE).read_text(encoding="utf-8")
-        if (folder / TEMPLATE_DIR).is_dir():
-            for file in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
-                templates[file.name.removesuffix(".jinja")] = file.read_text(encoding="utf-8")
-        return cls(backend, config, templates or None, name=str(folder))
+        try:
+            if (folder / TEMPLATE_FILE).is_file():
+                templates["default"] = contained(folder, TEMPLATE_FILE).read_text(encoding="utf-8")
+            if (folder / TEMPLATE_DIR).is_dir():
+                for file in sorted((folder / TEMPLATE_DIR).glob("*.jinja")):
+                    name = f"{TEMPLATE_DIR}/{file.name}"
+                    templates[file.name.removesuffix(".jinja")] = contained(folder, name).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"a chat template file of {folder} cannot be read: {err}") from err
+        try:
+            return cls(backend, config, templates or None, name=str(folder))
+        except (TypeError, KeyError, ValueError, AttributeError) as err:  # a field of the wrong shape
+            raise CheckpointError(f"{config_file} has a malformed field: {type(err).__name__}: {err}"[:500]) from err
 
     def _register_added_tokens(self) -> None:
         """Add what transformers adds on load: tokenizer_config's added_tokens_decoder and named special tokens.
@@ -156,7 +165,9 @@ class Tokenizer:
         """The prompt text for `messages`, rendered exactly as transformers' apply_chat_template(tokenize=False).
 
         Extra keyword arguments become template variables (e.g. `enable_thinking=False` for Qwen3) and
-        override the named special tokens, as in transformers.
+        override the named special tokens, as in transformers. Rendering is bounded by `self.render_limits`
+        (time, output and intermediate sizes: `template_sandbox`); past them, or for any error the template raises,
+        a RequestError.
         """
         if continue_final_message and add_generation_prompt:
             raise RequestError("continue_final_message and add_generation_prompt are mutually exclusive")
@@ -174,22 +185,31 @@ class Tokenizer:
             raise RequestError("tools must be JSON-schema dicts")
         source = self.get_chat_template(chat_template, tools)
         template = compile_template(source, self.name)
-        # transformers drops None-valued keys (OpenAI-style content=None) and rebuilds inputs from plain types.
-        chat = [{k: _plain(v) for k, v in m.items() if v is not None} for m in messages]
-        chat = [_alias_reasoning(m) for m in chat]
-        variables = {**self.special_tokens, **_plain(kwargs)}
         tag = "CONTINUE_FINAL_MESSAGE_TAG "
         final = None
-        if continue_final_message:
-            final = chat[-1].get("content")
-            if not isinstance(final, str):
-                raise RequestError("continue_final_message needs a final message with string content")
-            chat[-1]["content"] = final + tag
         try:
-            text = template.render(messages=chat, tools=_plain(tools), documents=_plain(documents),
-                                   add_generation_prompt=add_generation_prompt, **variables)
+            # transformers drops None-valued keys (OpenAI-style content=None) and rebuilds inputs from plain types.
+            chat = [{k: _plain(v) for k, v in m.items() if v is not None} for m in messages]
+            chat = [_alias_reasoning(m) for m in chat]
+            variables = {**self.special_tokens, **_plain(kwargs)}
+            if continue_final_message:
+                final = chat[-1].get("content")
+                if not isinstance(final, str):
+                    raise RequestError("continue_final_message needs a final message with string content")
+                chat[-1]["content"] = final + tag
+            text = render(template, dict(messages=chat, tools=_plain(tools), documents=_plain(documents),
+                                         add_generation_prompt=add_generation_prompt, **variables),
+                          self.render_limits)
+        except RequestError:
+            raise
         except jinja2.TemplateError as err:
             raise RequestError(f"chat template rejected the conversation: {err}") from err
+        except RenderLimitError as err:
+            raise RequestError(f"chat template stopped: {err}") from None
+        except RecursionError:
+            raise RequestError("chat template or conversation nests too deeply") from None
+        except Exception as err:  # noqa: BLE001 - whatever the template's code raises (1/0, a bad filter argument)
+            raise RequestError(f"chat template failed on this conversation: {type(err).__name__}: {err}") from err
         if final is not None:
             if final.strip() not in text or tag.strip() not in text:
                 raise RequestError("continue_final_message: the template dropped the final message")
@@ -201,8 +221,10 @@ class Tokenizer:
 def _token_content(value: Any) -> str | None:
     """A special token from tokenizer_config.json: a string, or a serialized AddedToken dict."""
     if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"a special token must be a string or an AddedToken object, got {value!r:.80}")
+    return value
 
 
 def _template_dict(templates: Mapping[str, str] | Sequence[Mapping[str, str]] | str | None) -> dict[str, str]:
@@ -211,9 +233,10 @@ def _template_dict(templates: Mapping[str, str] | Sequence[Mapping[str, str]] | 
         return {}
     if isinstance(templates, str):
         return {"default": templates}
-    if isinstance(templates, Mapping):
-        return dict(templates)
-    return {t["name"]: t["template"] for t in templates}
+    found = dict(templates) if isinstance(templates, Mapping) else {t["name"]: t["template"] for t in templates}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
+        raise TypeError("chat_template must be a string, or named templates that are strings")
+    return found
 
 
 def _plain(value: Any) -> Any:
@@ -269,6 +292,8 @@ def _raise_exception(message: str) -> None:
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
             sort_keys: bool = False) -> str:
     # Jinja's own tojson HTML-escapes and sorts keys; templates were written against json.dumps.
+    if indent is not None and (not isinstance(indent, int) or not 0 <= indent <= MAX_JSON_INDENT):
+        raise jinja2.exceptions.TemplateError(f"tojson indent must be an int in [0, {MAX_JSON_INDENT}]")
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -298,7 +323,7 @@ class _TemplateNamespace(jinja2.utils.Namespace):
 
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
+        jinja2.utils.Namespace.__setitem__(self, name, checked(value))
 
     @staticmethod
     def _check(name: Any) -> None:
@@ -306,11 +331,12 @@ class _TemplateNamespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
 
 
-def template_environment() -> ImmutableSandboxedEnvironment:
-    """The Jinja environment transformers renders chat templates in: sandboxed, trimmed, same helpers."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+def template_environment() -> BoundedSandboxedEnvironment:
+    """The Jinja environment transformers renders chat templates in: sandboxed, trimmed, same helpers; bounded in
+    time and size when rendered through `template_sandbox.render`."""
+    env = BoundedSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.add_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -325,6 +351,8 @@ def compile_template(source: str, name: str = "chat template") -> jinja2.Templat
         return template_environment().from_string(source)
     except jinja2.TemplateSyntaxError as err:
         raise CheckpointError(f"chat template of {name} does not parse: {err}") from err
+    except RecursionError:
+        raise CheckpointError(f"chat template of {name} nests too deeply to compile") from None
 
 
 class IncrementalDetokenizer:
@@ -423,8 +451,11 @@ class StopStringMatcher:
         """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
         best = 0
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), best, -1):
-                if text.endswith(s[:n]):
-                    best = n
+            # candidate suffixes start where text holds s[0]: a find per candidate, not a comparison per length
+            at = text.find(s[0], max(len(text) - len(s) + 1, 0))
+            while 0 <= at and len(text) - at > best:
+                if s.startswith(text[at:]):
+                    best = len(text) - at
                     break
+                at = text.find(s[0], at + 1)
         return best
