@@ -175,13 +175,13 @@ def metrics_router(metrics: RequestMetrics) -> APIRouter:
 
 
 class HTTPCounter:
-    """ASGI middleware counting every answer by method, route and status (unknown paths as "other", so probes of
-    random URLs cannot grow the label set). Plain ASGI: it passes `receive` through untouched, so a streaming
-    response still hears its client disconnect."""
+    """ASGI middleware counting every answer by method, route and status. The route is the matched route's path
+    template (the router leaves it in the scope); an unmatched path counts as "other", so probes of random URLs
+    cannot grow the label set. Plain ASGI: it passes `receive` through untouched, so a streaming response still
+    hears its client disconnect."""
 
-    def __init__(self, app: Any, metrics: RequestMetrics, routes: Any):
-        self.app, self.metrics, self.routes = app, metrics, routes
-        self._paths: set[str] | None = None
+    def __init__(self, app: Any, metrics: RequestMetrics):
+        self.app, self.metrics = app, metrics
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -197,8 +197,5 @@ class HTTPCounter:
         try:
             await self.app(scope, receive, sending)
         finally:
-            if self._paths is None:
-                self._paths = {getattr(route, "path", None) for route in self.routes()}
-            path = scope.get("path", "")
-            self.metrics.http.labels(scope.get("method", ""), path if path in self._paths else "other",
-                                     str(status)).inc()
+            route = getattr(scope.get("route"), "path", None) or "other"
+            self.metrics.http.labels(scope.get("method", ""), route, str(status)).inc()

@@ -64,7 +64,7 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     app = FastAPI(title="pocketjax", version="0.1.0")
     install_error_handlers(app)
     metrics = app.state.metrics = RequestMetrics(llm, name)
-    app.add_middleware(HTTPCounter, metrics=metrics, routes=lambda: app.routes)
+    app.add_middleware(HTTPCounter, metrics=metrics)
 
     async def authorize(request: Request) -> None:
         if api_key is None:
