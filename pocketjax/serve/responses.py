@@ -123,7 +123,13 @@ def responses_router(llm: LLM, model_name: str, check: Callable[[SamplingFields]
     async def create(body: ResponsesRequest, request: Request):
         check(body)
         prompt = llm.encode(llm.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True))
-        sampling = body.sampling(budget(prompt, body.max_output_tokens, None))
+        try:
+            max_tokens = budget(prompt, body.max_output_tokens, None)
+        except APIError as error:  # the budget speaks of the chat endpoints' field
+            if error.param == "max_tokens":
+                error.param = "max_output_tokens"
+            raise
+        sampling = body.sampling(max_tokens)
         handle = submit([(prompt, with_seed(sampling, 0))], "input")[0]
         draft = Draft(body, model_name, len(prompt))
         if body.stream:
