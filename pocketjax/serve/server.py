@@ -452,7 +452,9 @@ class BackgroundServer:
     """uvicorn serving `app` on a daemon thread, on 127.0.0.1 and an ephemeral port by default (tests, benchmarks,
     notebooks): `with BackgroundServer(app) as server: OpenAI(base_url=server.url + "/v1", ...)`."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 **uvicorn_options: Any):
+        """`uvicorn_options` go to uvicorn.Config (e.g. http="h11", loop="asyncio" to compare HTTP stacks)."""
         import uvicorn
 
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -460,7 +462,7 @@ class BackgroundServer:
         self._socket.bind((host, port))
         self.host, self.port = host, self._socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **uvicorn_options))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="pocketjax-http", daemon=True)
 
