@@ -125,12 +125,19 @@ def main() -> int:
         tasks = write_task(folder)
         ref = run_harness("hf", f"pretrained={DEFAULT_MODEL},dtype=float32,max_length={args.max_length}", tasks,
                           folder)
+        app = None
         with pj.LLM(max_batch_size=8, max_seq_len=args.max_length) as llm, \
-                BackgroundServer(create_app(llm)) as server:
+                BackgroundServer(app := create_app(llm)) as server:
             served = run_harness("local-completions",
                                  f"base_url={server.url}/v1/completions,model=pocket-coder,"
                                  f"num_concurrent={args.concurrent},max_length={args.max_length},max_retries=1",
                                  tasks, folder)
+    # the server's own count of what the harness asked it: tokenizer probes and calls, completions, failures
+    registry = app.state.metrics.registry
+    calls = {f"{method} {path} {status}": registry.get_sample_value(
+        "http_requests_total", {"method": method, "handler": path, "status": status})
+        for method, path, status in (("GET", "/tokenizer_info", "200"), ("POST", "/tokenize", "200"),
+                                     ("POST", "/v1/completions", "200"), ("POST", "/v1/completions", "400"))}
     rows = []
     for task in tasks:
         for metric, value in ref["results"][task].items():
@@ -145,8 +152,8 @@ def main() -> int:
                         "loadavg_start": load, "loadavg_end": os.getloadavg(), "concurrent": args.concurrent,
                         "max_length": args.max_length, "versions": versions},
             "metrics": [dict(zip(("task", "metric", "hf", "pocketjax"), r)) for r in rows],
-            "per_request": diffs}, indent=2))
-    print(json.dumps({"versions": versions, "per_request": diffs}))
+            "per_request": diffs, "server_calls": calls}, indent=2))
+    print(json.dumps({"versions": versions, "per_request": diffs, "server_calls": calls}))
     print("| task | metric | hf (transformers) | pocketjax serve |\n|---|---|---|---|")
     for task, metric, a, b in rows:
         print(f"| {task} | {metric} | {a:.6g} | {b:.6g} |")

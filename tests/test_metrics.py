@@ -141,3 +141,33 @@ def test_prefix_cache_hits_are_the_engines(llm):
         del llm.scheduler.submit
     assert handles[1].cached_prefix_len > 0
     assert done[("vllm:prefix_cache_hits_total", ())] == sum(h.cached_prefix_len for h in handles)
+
+
+def test_an_observer_attached_late_misses_nothing():
+    """RequestHandle.observe replays what already happened (tokens pushed, the end) and then reports each push once;
+    an end after the end is not reported twice."""
+    from pocketjax.engine.request import BatchedRequest
+    from pocketjax.serve.handle import RequestHandle
+
+    seen = []
+
+    class Recorder:
+        def delivered(self, handle, count):
+            seen.append(("delivered", count))
+
+        def ended(self, handle, reason):
+            seen.append(("ended", reason))
+
+    handle = RequestHandle(BatchedRequest("r", [1, 2, 3], pj.SamplingParams(max_tokens=8)))
+    handle.push([5, 6])
+    handle.observe(Recorder())
+    handle.push([7])
+    handle.push([])
+    handle.finish("length")
+    handle.finish("length")
+    assert seen == [("delivered", 2), ("delivered", 1), ("ended", "length")]
+    late = RequestHandle(BatchedRequest("s", [1], pj.SamplingParams(max_tokens=8)))
+    late.fail(RuntimeError("boom"))
+    seen.clear()
+    late.observe(Recorder())
+    assert seen == [("ended", None)]
