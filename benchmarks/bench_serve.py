@@ -3,11 +3,12 @@ submitted to its Scheduler directly.
 
 One LLM (so one engine and one set of compiled steps, all compiled by its warm-up) serves both. "scheduler": each
 request is submitted to `llm.scheduler` and its tokens read by an asyncio reader (benchmarks/serve.py's `stream`).
-"http": each request is one streaming POST /v1/completions (token-id prompt, greedy, ignore_eos) on its own
-connection, to uvicorn on a thread of this process; the clients run in a second process (asyncio + httpx2), so their
+"http[h11]", "http[httptools]": each request is one streaming POST /v1/completions (token-id prompt, greedy,
+ignore_eos) on its own connection, to uvicorn on a thread of this process, with its pure-Python h11 parser on
+asyncio or with httptools' C parser on uvloop (what uvicorn[standard] installs; `--http` picks); the clients run in a second process (asyncio + httpx2), so their
 parsing does not take the server's GIL. A token's time is when the SSE chunk carrying it arrives (chunks carry vLLM's
 continuous usage stats, so a chunk of k tokens counts k; perf_counter is the system-wide monotonic clock, so both
-processes' times compare). Both report output throughput, time to first token and inter-token latency p50/p99
+processes' times compare). All report output throughput, time to first token and inter-token latency p50/p99
 (benchmarks/serve.py's `summarize`); each system runs the stream once unmeasured, then `--repeats` measured passes,
 interleaved, and the pass with the median throughput is reported. CPU milliseconds per token, this process (engine,
 scheduler, HTTP server) and the client process, say what the HTTP layer costs regardless of the machine's load
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import multiprocessing
 import os
@@ -82,14 +84,28 @@ def http_pass(url: str, items: list[Item]) -> tuple[list[Trace], int, float]:
     return traces, failed, time.process_time() - cpu
 
 
-def run(llm: pj.LLM, items: list[Item], repeats: int) -> list[dict]:
-    """Unmeasured passes of both systems, then `repeats` measured ones each, interleaved; every pass's record."""
+# uvicorn's HTTP stacks: its pure-Python h11 parser on asyncio, and what uvicorn[standard] picks (httptools' C
+# parser on uvloop); both run in one process on one LLM, so their difference is the HTTP stack alone
+STACKS = {"h11": {"http": "h11", "loop": "asyncio"}, "httptools": {"http": "httptools", "loop": "uvloop"}}
+
+
+def available_stacks() -> list[str]:
+    import importlib.util
+
+    return ["h11"] + (["httptools"] if all(importlib.util.find_spec(m) for m in ("httptools", "uvloop")) else [])
+
+
+def run(llm: pj.LLM, items: list[Item], repeats: int, stacks: list[str]) -> list[dict]:
+    """Unmeasured passes of every system, then `repeats` measured ones each, interleaved; every pass's record."""
     records = []
     llm.scheduler.start()
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no copy of this one's threads or jax state
-    with BackgroundServer(create_app(llm)) as server, ProcessPoolExecutor(1, mp_context=spawn) as clients:
-        systems = {"scheduler": lambda: (asyncio.run(stream(llm.scheduler, items)), 0, 0.0),
-                   "http": lambda: clients.submit(http_pass, server.url, items).result()}
+    with contextlib.ExitStack() as stack:
+        clients = stack.enter_context(ProcessPoolExecutor(1, mp_context=spawn))
+        systems = {"scheduler": lambda: (asyncio.run(stream(llm.scheduler, items)), 0, 0.0)}
+        for name in stacks:
+            server = stack.enter_context(BackgroundServer(create_app(llm), **STACKS[name]))
+            systems[f"http[{name}]"] = lambda url=server.url: clients.submit(http_pass, url, items).result()
         for go in systems.values():
             go()  # any shape the warm-up missed compiles here
         compiled = llm.engine.compiled_count()
@@ -108,6 +124,18 @@ def run(llm: pj.LLM, items: list[Item], repeats: int) -> list[dict]:
     return records
 
 
+def versions(*names: str) -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def median_pass(records: list[dict], system: str) -> dict:
     runs = sorted((r for r in records if r["system"] == system), key=lambda r: r["output_tok_s"])
     return runs[len(runs) // 2]
@@ -124,7 +152,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="measured passes per system")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--http", default=",".join(available_stacks()),
+                        help="uvicorn HTTP stacks to compare: h11 (asyncio) and/or httptools (uvloop); default every "
+                             "installed one")
     args = parser.parse_args()
+    stacks = [name for name in args.http.split(",") if name]
     load_start = os.getloadavg()
     prompts, outputs, max_seq_len, chunk, min_chunk = SHAPES["quick" if args.quick else "full"]
     config = EngineConfig(max_batch_size=args.slots, max_seq_len=max_seq_len, prefill_chunk=chunk,
@@ -133,24 +165,27 @@ def main() -> None:
     rate = args.rate if args.rate is not None else (6.0 if args.quick else 8.0)
     with pj.LLM(args.model, config, warmup=True) as llm:  # every shape compiled first: none while measuring
         items = workload(n, rate, prompts, outputs, llm.model.config.vocab_size, args.seed)
-        records = run(llm, items, args.repeats)
-    best = {system: median_pass(records, system) for system in ("scheduler", "http")}
-    s, h = best["scheduler"], best["http"]
-    overhead = {"system": "http / scheduler", "output_tok_s": round(h["output_tok_s"] / s["output_tok_s"], 3),
-                **{k: round(h[k] - s[k], 3) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
-                                                      "server_cpu_ms_per_token", "client_cpu_ms_per_token")}}
+        records = run(llm, items, args.repeats, stacks)
+    systems = ["scheduler"] + [f"http[{name}]" for name in stacks]
+    best = {system: median_pass(records, system) for system in systems}
+    s = best["scheduler"]
+    overhead = [{"system": f"{system} / scheduler", "output_tok_s": round(h["output_tok_s"] / s["output_tok_s"], 3),
+                 **{k: round(h[k] - s[k], 3) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
+                                                       "server_cpu_ms_per_token", "client_cpu_ms_per_token")}}
+                for system, h in best.items() if system != "scheduler"]
     machine = {"platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
                "device": str(jax.devices()[0]), "cpus": os.cpu_count(), "model": args.model, "rate": rate,
                "requests": n, "slots": args.slots, "repeats": args.repeats, "seed": args.seed,
-               "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
+               "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+               "stacks": {name: STACKS[name] for name in stacks}, "versions": versions("uvicorn", "httptools", "uvloop")}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({"machine": machine, "records": records, "median": best,
                                                "overhead": overhead}, indent=2))
     for r in records:
         print(json.dumps(r))
-    print("(overhead row: throughput ratio, latency differences in ms)")
-    print(table([s, h, overhead], COLUMNS))
+    print("(overhead rows: throughput ratio, latency differences in ms)")
+    print(table([*best.values(), *overhead], COLUMNS))
 
 
 if __name__ == "__main__":

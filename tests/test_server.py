@@ -248,11 +248,11 @@ def test_malformed_json_unknown_model_full_queue(llm, server, client):
     with pytest.raises(openai.BadRequestError) as info:  # the official client's view of a 400
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], top_p=0)
     assert "top_p" in info.value.message
-    limit, llm.scheduler.max_waiting = llm.scheduler.max_waiting, 0  # every queue slot taken
+    limit, llm.scheduler.max_waiting = llm.scheduler.max_waiting, 1  # a queue of one
     try:
-        with pytest.raises(openai.RateLimitError) as info:  # 429 at once, never a hang
+        with pytest.raises(openai.BadRequestError) as info:  # 2 choices can never fit: 400, not a 429 to retry
             client.completions.create(model=NAME, prompt="x", n=2)
-        assert info.value.code == "queue_full"
+        assert info.value.code == "exceeds_max_waiting"  # a full queue's 429: tests/test_openai_protocol.py
     finally:
         llm.scheduler.max_waiting = limit
     assert not llm.scheduler.waiting and llm.engine.num_free_slots == SLOTS

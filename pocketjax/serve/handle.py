@@ -31,6 +31,7 @@ class RequestHandle:
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self.cancel_requested = False
+        self._observer: Any = None  # told of each push and of the end: serve/metrics.py's RequestMetrics
         self._detok = IncrementalDetokenizer(tokenizer, request.prompt_tokens) if tokenizer else None
         self._matcher = StopStringMatcher(request.sampling.stop) if tokenizer else None
 
@@ -140,6 +141,18 @@ class RequestHandle:
         if self._error is not None:
             raise self._error
 
+    def observe(self, observer: Any) -> None:
+        """Tell `observer` of this request's deliveries (`observer.delivered(handle, count)`) and of its end
+        (`observer.ended(handle, reason)`, reason None when it failed); what happened before this call is told at
+        once, so an observer attached right after submit misses nothing."""
+        with self._cond:
+            self._observer = observer
+            count, done = len(self._tokens), self.done()
+        if count:
+            observer.delivered(self, count)
+        if done:
+            observer.ended(self, self._completion.finish_reason if self._completion is not None else None)
+
     # ---- producer side -----------------------------------------------------------------------------------------
     @property
     def num_delivered(self) -> int:
@@ -160,6 +173,9 @@ class RequestHandle:
             self._tokens.extend(tokens)
             self._pieces.extend(p for p in pieces if p)
             self._wake()
+            observer = self._observer
+        if observer is not None and len(tokens):
+            observer.delivered(self, len(tokens))
         return stopped
 
     def finish(self, reason: str | None) -> None:
@@ -169,18 +185,24 @@ class RequestHandle:
             tail = self._matcher.add(self._detok.flush()) + self._matcher.flush()
         req = self.request
         with self._cond:
+            observer = None if self.done() else self._observer
             if tail:
                 self._pieces.append(tail)
             text = "".join(self._pieces) if self._detok is not None else None
             self._completion = Completion(list(self._tokens), text, reason, req.logprobs[: len(self._tokens)],
                                           list(req.prompt_tokens), req.request_id, list(req.prompt_logprobs))
             self._wake()
+        if observer is not None:
+            observer.ended(self, reason)
 
     def fail(self, error: BaseException) -> None:
         """End the request with an error: readers and result() raise it."""
         with self._cond:
+            observer = None if self.done() else self._observer
             self._error = error
             self._wake()
+        if observer is not None:
+            observer.ended(self, None)
 
     def _wake(self) -> None:
         """Wake sync readers and async readers; called with self._cond held. A waiter whose event loop has closed

@@ -31,9 +31,12 @@ from ..engine.request import Completion
 from ..errors import CapacityError, CheckpointError, ConfigError, PocketJaxError, RequestError, StoppedError
 from .handle import RequestHandle
 from .http_guard import HTTPGuard, ServerLimits
+from .metrics import HTTPCounter, RequestMetrics, metrics_router
 from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, StreamOptions,
                               TokenText, chat_logprobs, completion_logprobs, error_body, finish_reason, usage,
                               with_seed)
+from .responses import responses_router
+from .tokenization import tokenization_router
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -47,6 +50,9 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "conversation
                                       "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 MAX_JSON_DEPTH = 32  # nesting of messages and chat_template_kwargs (templates read a few levels)
 HOST_WORKERS = 4  # threads that render templates and tokenize, off the event loop
+# A 429 (queue full) says when to retry: the queue drains as requests finish, seconds at most for a typical load;
+# the openai client waits Retry-After (when <= 60 s) instead of its own 0.5-8 s backoff.
+RETRY_AFTER_S = 1
 
 
 def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = None,
@@ -86,6 +92,8 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
             raise APIError(400, f"prompt of {len(prompt)} characters is over this server's limit of {max_chars}",
                            param="prompt", code="prompt_too_long")
         return llm.encode(prompt)
+    metrics = app.state.metrics = RequestMetrics(llm, name)
+    app.add_middleware(HTTPCounter, metrics=metrics)
 
     async def authorize(request: Request) -> None:
         if api_key is None:
@@ -132,31 +140,50 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
             raise APIError(400, f"{len(prompts)} prompts x n={body.n or 1} is over this server's limit of "
                                 f"{limits.max_choices} completions per request", param="n")
         ids = [await off_loop(encode, p) if isinstance(p, str) else encode(p) for p in prompts]
-        echo, top = bool(body.echo), body.logprobs
+        echo, top, as_ids = bool(body.echo), body.logprobs, bool(body.return_tokens_as_token_ids)
         if body.stream and echo and top is not None:
             raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
+        score_only = body.max_tokens == 0  # the prompt's logprobs and no completion (needs echo), as vLLM
+        if score_only and not echo:
+            raise APIError(400, "max_tokens 0 needs echo=true (it returns the prompt, with logprobs if asked)",
+                           param="max_tokens")
         n, jobs = body.n or 1, []
         for prompt in ids:
-            sampling = body.sampling(budget(prompt, body.max_tokens, COMPLETIONS_MAX_TOKENS), top or 0,
+            # scoring generates one token for the prompt's logprobs, then drops it; without logprobs nothing runs
+            asked = 1 if score_only else body.max_tokens
+            sampling = body.sampling(budget(prompt, asked, COMPLETIONS_MAX_TOKENS), top or 0,
                                      top if echo and top is not None else None)
             jobs += [(prompt, with_seed(sampling, i)) for i in range(n)]
-        reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", name, submit_all(llm, jobs),
-                      sum(len(p) for p in ids), body.stream_options)
+        if score_only and top is None:
+            jobs = []
+        reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", name,
+                      submit_all(llm, jobs, "prompt" if len(ids) > 1 else "n", metrics), sum(len(p) for p in ids),
+                      body.stream_options)
         heads = [(p if isinstance(p, str) else llm.tokenizer.decode(p, skip_special_tokens=False)) if echo else ""
                  for p in prompts for _ in range(n)]
         if body.stream:
-            return sse_response(completion_events(reply, heads, top, text_of))
+            events = (echo_events(reply, heads) if score_only else
+                      completion_events(reply, heads, top, text_of, as_ids))
+            return sse_response(events)
+        outs = await finish_all(request, reply.handles) if reply.handles else [None] * len(heads)
         choices = []
-        for i, (out, head) in enumerate(zip(await finish_all(request, reply.handles), heads)):
+        for i, (out, head) in enumerate(zip(outs, heads)):
+            if score_only:
+                logprobs = None
+                if out is not None:
+                    entries = list(out.prompt_logprobs)
+                    logprobs = completion_logprobs(text_of, out.prompt_tokens, entries, as_ids=as_ids)
+                choices.append({"index": i, "text": head, "logprobs": logprobs, "finish_reason": "length"})
+                continue
             logprobs = None
             if top is not None:
                 tokens, entries = out.token_ids, out.logprobs[:len(out.token_ids)]
                 if echo:
                     tokens, entries = out.prompt_tokens + tokens, list(out.prompt_logprobs) + entries
-                logprobs = completion_logprobs(text_of, tokens, entries)
+                logprobs = completion_logprobs(text_of, tokens, entries, as_ids=as_ids)
             choices.append({"index": i, "text": head + out.text, "logprobs": logprobs,
                             "finish_reason": finish_reason(out)})
-        return reply.body(choices, reply.completion_tokens())
+        return reply.body(choices, 0 if score_only else reply.completion_tokens())
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -173,18 +200,23 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
         top = (body.top_logprobs or 0) if body.logprobs else None
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = body.sampling(budget(prompt, asked, None), top or 0)
-        handles = submit_all(llm, [(prompt, with_seed(sampling, i)) for i in range(body.n or 1)])
+        handles = submit_all(llm, [(prompt, with_seed(sampling, i)) for i in range(body.n or 1)], "n", metrics)
+        as_ids = bool(body.return_tokens_as_token_ids)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", name, handles, len(prompt),
                       body.stream_options)
         if body.stream:
-            return sse_response(chat_events(reply, top, text_of))
+            return sse_response(chat_events(reply, top, text_of, as_ids))
         choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": (chat_logprobs(text_of, out.token_ids, out.logprobs[:len(out.token_ids)])
+                    "logprobs": (chat_logprobs(text_of, out.token_ids, out.logprobs[:len(out.token_ids)], as_ids)
                                  if top is not None else None),
                     "finish_reason": finish_reason(out)} for i, out in enumerate(await finish_all(request, handles))]
         return reply.body(choices, reply.completion_tokens())
 
+    v1.include_router(responses_router(llm, name, check, budget,
+                                       lambda jobs, param: submit_all(llm, jobs, param, metrics), finish_all, merged))
     app.include_router(v1)
+    app.include_router(tokenization_router(llm, name), dependencies=[Depends(authorize)])
+    app.include_router(metrics_router(metrics))
     return app
 
 
@@ -268,8 +300,8 @@ class Reply:
         return self.body([], completion_tokens, chunk=True)
 
 
-async def completion_events(reply: Reply, heads: list[str], top: int | None, text_of: TokenText
-                            ) -> AsyncIterator[dict]:
+async def completion_events(reply: Reply, heads: list[str], top: int | None, text_of: TokenText,
+                            as_ids: bool = False) -> AsyncIterator[dict]:
     """/v1/completions stream chunks: each choice's new text (after its echoed prompt, `heads`) with the logprobs
     of its new tokens, a last chunk per choice with its finish_reason, then the usage chunk if asked."""
     sent, offsets = [0] * len(reply.handles), [len(h) for h in heads]
@@ -279,8 +311,8 @@ async def completion_events(reply: Reply, heads: list[str], top: int | None, tex
         if tokens or text:
             logprobs = None
             if top is not None:
-                logprobs = completion_logprobs(text_of, tokens, entries, offsets[i])
-                offsets[i] += sum(len(t) for t in logprobs["tokens"])
+                logprobs = completion_logprobs(text_of, tokens, entries, offsets[i], as_ids)
+                offsets[i] += sum(len(text_of(t)) for t in tokens)
             text, heads[i] = heads[i] + text, ""
             yield reply.chunk([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}], sum(sent))
         if done is not None:
@@ -290,7 +322,16 @@ async def completion_events(reply: Reply, heads: list[str], top: int | None, tex
         yield last
 
 
-async def chat_events(reply: Reply, top: int | None, text_of: TokenText) -> AsyncIterator[dict]:
+async def echo_events(reply: Reply, heads: list[str]) -> AsyncIterator[dict]:
+    """/v1/completions stream chunks of max_tokens 0 with echo (and no logprobs): each choice's prompt, ended."""
+    for i, head in enumerate(heads):
+        yield reply.chunk([{"index": i, "text": head, "logprobs": None, "finish_reason": "length"}], 0)
+    if (last := reply.usage_chunk(0)) is not None:
+        yield last
+
+
+async def chat_events(reply: Reply, top: int | None, text_of: TokenText, as_ids: bool = False
+                      ) -> AsyncIterator[dict]:
     """/v1/chat/completions stream chunks: the assistant role per choice, content deltas with the logprobs of their
     tokens, a last chunk per choice with its finish_reason, then the usage chunk if asked."""
     sent = [0] * len(reply.handles)
@@ -301,7 +342,7 @@ async def chat_events(reply: Reply, top: int | None, text_of: TokenText) -> Asyn
         entries = reply.handles[i].request.logprobs[sent[i]:sent[i] + len(tokens)]
         sent[i] += len(tokens)
         if text or (tokens and top is not None):  # ids still forming a character carry no text, but logprobs
-            logprobs = chat_logprobs(text_of, tokens, entries) if top is not None else None
+            logprobs = chat_logprobs(text_of, tokens, entries, as_ids) if top is not None else None
             yield reply.chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs,
                                 "finish_reason": None}], sum(sent))
         if done is not None:
@@ -326,9 +367,19 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
     return list(prompt)
 
 
-def submit_all(llm: LLM, jobs: Sequence[tuple[list[int], Any]]) -> list[RequestHandle]:
+def submit_all(llm: LLM, jobs: Sequence[tuple[list[int], Any]], param: str | None = None,
+               metrics: RequestMetrics | None = None) -> list[RequestHandle]:
     """Submit every (prompt ids, sampling) or none: a refusal (full queue, invalid request) cancels the ones
-    already queued and raises its typed error before any response is sent."""
+    already queued and raises its typed error before any response is sent; `metrics` then follows the accepted.
+
+    Every job waits in the queue before any is admitted, so more jobs than the queue holds could never be
+    accepted: that is a 400 naming `param` (retrying cannot help), where a queue full of others' requests is a 429.
+    """
+    limit = llm.scheduler.max_waiting
+    if len(jobs) > limit:
+        raise APIError(400, f"this request asks for {len(jobs)} completions (prompts x n), more than this server "
+                            f"queues at once (--max-waiting {limit}): it can never be accepted; send at most "
+                            f"{limit} per request", param=param, code="exceeds_max_waiting")
     handles: list[RequestHandle] = []
     try:
         for prompt, sampling in jobs:
@@ -340,6 +391,9 @@ def submit_all(llm: LLM, jobs: Sequence[tuple[list[int], Any]]) -> list[RequestH
         for handle in handles:
             handle.cancel()
         raise
+    if metrics is not None:
+        for handle in handles:
+            metrics.watch(handle)
     return handles
 
 
@@ -463,7 +517,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(PocketJaxError)
     async def pocketjax_error(request: Request, error: PocketJaxError) -> JSONResponse:
         status, body = error_response(error)
-        return ErrorResponse(body, status_code=status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+        return ErrorResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -498,7 +553,9 @@ class BackgroundServer:
     notebooks): `with BackgroundServer(app) as server: OpenAI(base_url=server.url + "/v1", ...)`."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, **uvicorn_options: Any):
+        """`uvicorn_options` go to uvicorn.Config over the limits' own (e.g. http="h11", loop="asyncio" to compare
+        HTTP stacks)."""
         import uvicorn
 
         self._socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -507,7 +564,7 @@ class BackgroundServer:
         self.host, self.port = host, self._socket.getsockname()[1]
         self.url = f"http://{host}:{self.port}"
         options = (ServerLimits() if limits is None else limits).uvicorn_options()  # as `serve` runs it
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **options))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, **{**options, **uvicorn_options}))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
                                         name="pocketjax-http", daemon=True)
 

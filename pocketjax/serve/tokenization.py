@@ -1,0 +1,108 @@
+"""POST /tokenize, POST /detokenize, GET /tokenizer_info: the server's tokenizer over HTTP, in vLLM's shapes.
+
+Clients count tokens against the context with them, and lm-evaluation-harness's `local-completions` probes
+`/tokenizer_info` then `/tokenize` (its `tokenizer_backend="auto"`): when both answer it tokenizes through the
+server (`RemoteTokenizer`: eos/bos/pad tokens and the chat template from /tokenizer_info, ids from /tokenize with
+`add_special_tokens: false`, text from /detokenize) instead of loading the checkpoint's tokenizer itself.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter
+from pydantic import BaseModel, ConfigDict, Field
+
+from .openai_protocol import APIError, chat_messages
+
+if TYPE_CHECKING:
+    from .llm import LLM
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: `prompt` or `messages`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # only a name of one of the checkpoint's own templates
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
+def tokenization_router(llm: LLM, model_name: str) -> APIRouter:
+    """The three routes over `llm`'s tokenizer; requests naming another model get 404 as the /v1 routes do."""
+    tokenizer = llm.tokenizer
+    router = APIRouter()
+
+    def check(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{model_name}`)",
+                           param="model", code="model_not_found")
+
+    @router.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "send exactly one of prompt or messages", param="prompt")
+        if body.messages is None:
+            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens in (None, True))
+        else:
+            if body.chat_template is not None and body.chat_template not in tokenizer.chat_templates:
+                raise APIError(400, f"chat_template must name one of this model's templates "
+                                    f"{sorted(tokenizer.chat_templates)}; a template in the request is not "
+                                    f"accepted", param="chat_template")
+            text = tokenizer.apply_chat_template(
+                chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
+                tools=body.tools, chat_template=body.chat_template,
+                continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}))
+            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.engine.max_seq_len, "tokens": ids,
+                               "token_strs": None}
+        if body.return_token_strs:
+            out["token_strs"] = [tokenizer.backend.id_to_token(i) for i in ids]
+        return out
+
+    @router.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
+        check(body.model)
+        bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",
+                           param="tokens")
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        return tokenizer_config(llm)
+
+    return router
+
+
+def tokenizer_config(llm: LLM) -> dict[str, Any]:
+    """tokenizer_config.json as vLLM's /tokenizer_info serves it (transformers' init kwargs): special tokens as
+    their text, added_tokens_decoder as id -> text, plus tokenizer_class and the default chat template's source."""
+    tokenizer = llm.tokenizer
+    config = {key: value for key, value in tokenizer.config.items() if key not in ("vocab_file", "merges_file")}
+    for key in ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"):
+        if key in config:
+            config[key] = tokenizer.special_tokens.get(key)
+    decoder = config.get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        config["added_tokens_decoder"] = {k: v.get("content") if isinstance(v, dict) else v
+                                          for k, v in decoder.items()}
+    config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    templates = tokenizer.chat_templates
+    default = templates.get("default") or (next(iter(templates.values())) if len(templates) == 1 else None)
+    config["chat_template"] = default
+    return config
