@@ -77,11 +77,12 @@ def bfloat16_product(x: jax.Array, w: jax.Array) -> jax.Array:
     """x @ w.T for a bfloat16 weight [out, in] on CPU, in XLA:CPU's best bfloat16 form: bf16 operands, float32
     accumulation (`preferred_element_type`), at least 2 rows.
 
-    Per [3072, 1024] product, 16 distinct weights per call (benchmarks/xla_cpu_matmul.py --suites bf16): every other
-    bf16 form (a plain bf16 dot, the transposed w @ x.T, exactly 1 row, the weight upcast inside the step, a
-    multiply-reduce fusion) is slower still, at 1 row 3-20x. Whether this form beats float32 depends on the CPU's
-    library path (on a 2-core AMD EPYC 7003, AVX2 without AVX512_BF16, it took 1.3-2x float32's time at 1 row), so
-    `default_dtype` loads bfloat16 checkpoints as bfloat16 only where `bfloat16_probe` measured it no slower.
+    Per [3072, 1024] product, 16 distinct weights per call (benchmarks/xla_cpu_matmul.py --suites bf16): at 1 row
+    every other bf16 form (unpadded, the transposed w @ x.T, the weight upcast inside the step, a multiply-reduce
+    fusion) is 1.6-8x slower than this one. Whether this form beats float32 depends on the CPU's library path (on a
+    2-core AMD EPYC Zen 3, AVX2 without AVX512_BF16: 1.4-2.5x float32's time per product at 1 row, 7x in the whole
+    decode step), so `default_dtype` loads bfloat16 checkpoints as bfloat16 only where `bfloat16_probe` measured it
+    no slower.
     """
     rows = math.prod(x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16)
@@ -114,7 +115,8 @@ def bfloat16_probe() -> Bfloat16Probe:
     small batch, the minimum of PROBE_ROUNDS interleaved calls (a shared machine's load hits both alike).
 
     A measurement, not CPU flags: which library path a bf16 dot takes (and how fast) depends on the CPU, the XLA
-    build and its flags; the ISA flags alone predicted it wrong (AVX512_BF16 CPUs measured 0.82x float32 at 1 row).
+    build and its flags; the ISA flags alone predict it wrong (an AVX512_BF16 Zen 4 decoded at 0.82x float32 at
+    1 request, issue 36).
     """
     keys = jax.random.split(jax.random.key(0), PROBE_WEIGHTS)
     f32 = [jax.random.normal(k, PROBE_SHAPE, jnp.float32) for k in keys]
