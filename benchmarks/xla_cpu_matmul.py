@@ -24,7 +24,8 @@ Suites:
 - attention: decode QK^T over an f32 cache [slots, kv_heads, T, D] as q @ K^T (einsum), as K @ q^T (the cache as the
   row-major left operand, barrier, transposed: what the XLA path does on CPU), and P @ V.
 
-    python benchmarks/xla_cpu_matmul.py [--suites float,int8,int4,bf16,attention] [--flags default,...] [--json out.json]
+    python benchmarks/xla_cpu_matmul.py [--suites float,int8,int4,bf16,attention] [--flags default,...]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -256,7 +257,8 @@ def suite_bf16(rng, reps: int) -> list[dict]:
     return out
 
 
-SUITES = {"float": suite_float, "int8": suite_int8, "int4": suite_int4, "attention": suite_attention, "bf16": suite_bf16}
+SUITES = {"float": suite_float, "int8": suite_int8, "int4": suite_int4, "attention": suite_attention,
+          "bf16": suite_bf16}
 
 
 def child(suite: str, reps: int) -> list[dict]:
