@@ -44,6 +44,7 @@ from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.plan import bucket, decode_at  # noqa: E402
 from pocketjax.engine.steps import decode_step, sample_step  # noqa: E402
 from pocketjax.model.kv_cache import init_cache  # noqa: E402
+from pocketjax.model import layers  # noqa: E402
 from pocketjax.model.layers import ATTENTION_IMPLS  # noqa: E402
 from pocketjax.model.decoder import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams  # noqa: E402
@@ -148,6 +149,27 @@ def model_folder(args: SimpleNamespace) -> Path:
     return folder
 
 
+ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+             "avx512_fp16", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile", "neon", "asimd", "bf16", "sve")
+
+
+def cpu_features() -> dict:
+    """The CPU's vendor / family / model and the ISA flags a product's library path depends on (from /proc/cpuinfo),
+    and this process's measured bf16-vs-f32 product (`layers.bfloat16_probe`), which picks the CPU default dtype."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    probe = layers.bfloat16_probe() if jax.default_backend() == "cpu" else None
+    return {"cpu_vendor": fields.get("vendor_id"), "cpu_family": fields.get("cpu family"),
+            "cpu_model": fields.get("model"), "isa_flags": [f for f in ISA_FLAGS if f in flags],
+            "bfloat16_probe": None if probe is None else {**asdict(probe), "fast": probe.fast}}
+
+
 def machine_info(args: SimpleNamespace, peaks: roofline.Peaks) -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -156,7 +178,7 @@ def machine_info(args: SimpleNamespace, peaks: roofline.Peaks) -> dict:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
+    info = {"cpu": cpu, **cpu_features(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
             "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
             "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
             "numpy": np.__version__, "loadavg_start": list(os.getloadavg()), "peaks": asdict(peaks),
@@ -656,6 +678,8 @@ def summary_lines(result: dict) -> list[str]:
     m, p = result["machine"], result["machine"]["peaks"]
     out = [f"machine: {m['cpu']}, {m['usable_cores']} usable cores, jax {m['jax']} ({m['jax_backend']}), "
            f"torch {m['torch']}, loadavg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}",
+           f"cpu: {m.get('cpu_vendor')} family {m.get('cpu_family')} model {m.get('cpu_model')}, ISA "
+           f"{' '.join(m.get('isa_flags') or []) or '?'}; bf16 probe {m.get('bfloat16_probe')}",
            f"peaks: read bandwidth {p['bandwidth_bytes_s'] / 1e9:.2f} GB/s (start "
            f"{m['peaks_start']['bandwidth_bytes_s'] / 1e9:.2f}, end {m['peaks_end']['bandwidth_bytes_s'] / 1e9:.2f}: "
            f"spread {100 * m['bandwidth_spread']:.1f}%; copy {p['copy_bytes_s'] / 1e9:.2f}), matmul "

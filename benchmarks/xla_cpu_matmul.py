@@ -1,5 +1,5 @@
 """Which formulation of a decode-step product XLA:CPU runs well: the evidence behind `layers.linear`,
-`quant.int8_product`, the int4 packing and the XLA attention path.
+`quant.int8_product`, the int4 packing, `layers.bfloat16_product` and the XLA attention path.
 
 A decode step is a handful of [B, K] x [K, N] products per layer with B = active requests (1..8) and weights far
 larger than activations, so it should be memory bound: time ~ weight bytes / bandwidth, nearly flat in B. Each call
@@ -17,10 +17,15 @@ Suites:
 - int4: group-wise int4 [out, in/2] dequantized in the step, packed as pairs (j, j + group/2) per group (what
   `pack_int4` stores) or as interleaved neighbours (2c, 2c + 1), then x @ w.T; and the integer form (per-group
   s8 dots).
+- bf16: bfloat16 weights [out, in] beside the float32 product `linear` runs: bf16 x bf16 -> f32 as x @ w.T with
+  1 row padded to 2 (`layers.bfloat16_product`), unpadded, padded to 8, the transposed w @ x.T, the weight upcast to
+  f32 inside the step, and a multiply-reduce fusion (no library dot). Which is fastest, and whether any beats
+  float32, depends on the CPU: `layers.bfloat16_probe` measures the chosen form against float32 once per process.
 - attention: decode QK^T over an f32 cache [slots, kv_heads, T, D] as q @ K^T (einsum), as K @ q^T (the cache as the
   row-major left operand, barrier, transposed: what the XLA path does on CPU), and P @ V.
 
-    python benchmarks/xla_cpu_matmul.py [--suites float,int8,int4,attention] [--flags default,...] [--json out.json]
+    python benchmarks/xla_cpu_matmul.py [--suites float,int8,int4,bf16,attention] [--flags default,...]
+        [--json out.json]
 """
 from __future__ import annotations
 
@@ -210,7 +215,50 @@ def suite_attention(rng, reps: int) -> list[dict]:
     return out
 
 
-SUITES = {"float": suite_float, "int8": suite_int8, "int4": suite_int4, "attention": suite_attention}
+def suite_bf16(rng, reps: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    barrier = jax.lax.optimization_barrier
+    f32 = dict(preferred_element_type=jnp.float32)
+    nk = (((1,), (1,)), ((), ()))
+
+    def padded(x, rows):
+        return jnp.pad(x, ((0, max(0, rows - x.shape[0])), (0, 0)))
+
+    forms = {  # name: (product of x [B, K] bf16 and w [N, K], the weight dtype)
+        "float32 w @ x.T (barrier, transposed)": (lambda x, w: barrier(w @ x.T.astype(jnp.float32)).T, "float32"),
+        "x @ w.T -> f32, 1 row padded to 2": (
+            lambda x, w: jax.lax.dot_general(padded(x, 2), w, nk, **f32)[:x.shape[0]], "bfloat16"),
+        "x @ w.T -> f32": (lambda x, w: jax.lax.dot_general(x, w, nk, **f32), "bfloat16"),
+        "x @ w.T -> f32, padded to 8": (
+            lambda x, w: jax.lax.dot_general(padded(x, 8), w, nk, **f32)[:x.shape[0]], "bfloat16"),
+        "w @ x.T -> f32 (barrier, transposed)": (
+            lambda x, w: barrier(jax.lax.dot_general(w, x, nk, **f32)).T, "bfloat16"),
+        "w upcast to f32, then w @ x.T": (
+            lambda x, w: barrier(w.astype(jnp.float32) @ x.T.astype(jnp.float32)).T, "bfloat16"),
+        "multiply-reduce in f32 (one fusion)": (
+            lambda x, w: (w.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None]).sum(-1), "bfloat16"),
+    }
+    out = []
+    for shape_name, (n, k) in SHAPES.items():
+        wf = [(jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)),) for _ in range(WEIGHTS)]
+        ws = {"float32": wf, "bfloat16": [(w.astype(jnp.bfloat16),) for (w,) in wf]}
+        fns = {name: summed(f) for name, (f, _) in forms.items()}
+        for b in BATCHES:
+            x = jnp.asarray(rng.standard_normal((b, k), dtype=np.float32)).astype(jnp.bfloat16)
+            args = {name: (x, ws[dt]) for name, (_, dt) in forms.items()}
+            for name, s in best_of(fns, args, reps).items():
+                nbytes = 4 if forms[name][1] == "float32" else 2
+                out.append({"suite": "bf16", "shape": shape_name, "batch": b, "form": name, "ms": 1e3 * s / WEIGHTS,
+                            "GB_s": n * k * nbytes * WEIGHTS / s / 1e9})
+        del wf, ws
+    return out
+
+
+SUITES = {"float": suite_float, "int8": suite_int8, "int4": suite_int4, "attention": suite_attention,
+          "bf16": suite_bf16}
 
 
 def child(suite: str, reps: int) -> list[dict]:

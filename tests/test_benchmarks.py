@@ -27,7 +27,10 @@ def test_run_benchmark_writes_records_json_plot_and_table_last(tmp_path, capsys)
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert png.stat().st_size > 0
     machine = result["machine"]
-    assert {"cpu", "cores", "jax", "torch", "peaks", "loadavg_start", "loadavg_end"} <= set(machine)
+    assert {"cpu", "cores", "jax", "torch", "peaks", "loadavg_start", "loadavg_end", "cpu_family", "cpu_model",
+            "isa_flags", "bfloat16_probe"} <= set(machine)
+    probe = machine["bfloat16_probe"]  # the measurement that chose the CPU default dtype of bf16 checkpoints
+    assert set(probe["bfloat16_ms"]) == set(probe["float32_ms"]) and all(v > 0 for v in probe["float32_ms"].values())
     assert machine["peaks"]["bandwidth_bytes_s"] > 0 and machine["peaks"]["matmul_flop_s"] > 0
     records = result["records"]
     assert [(r["system"], r["concurrency"]) for r in records] == [("pocketjax", 1), ("transformers", 1)]
@@ -41,6 +44,16 @@ def test_run_benchmark_writes_records_json_plot_and_table_last(tmp_path, capsys)
     lines = [line for line in capsys.readouterr().out.strip().splitlines()]
     table = lines[-(len(records) + 2):]
     assert table[0].startswith("| system |") and all(line.startswith("| ") for line in table[2:])
+
+
+def test_cpu_features_lists_only_flags_the_cpu_reports():
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    flags = set(next((line.split(":", 1)[1] for line in lines if line.startswith(("flags", "Features"))), "").split())
+    features = bench_engine.cpu_features()
+    assert set(features["isa_flags"]) == flags & set(bench_engine.ISA_FLAGS)
 
 
 def test_quick_fills_only_what_was_not_given():

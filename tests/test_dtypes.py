@@ -1,6 +1,7 @@
-"""16-bit checkpoints on CPU: bfloat16 weights stay 16-bit and multiply in XLA:CPU's fast form (bf16 operands,
-float32 accumulation, >= 2 rows) beside a float32 KV cache; float16 checkpoints compute in float32 by default, with
-a log line. Each default yields to an explicit dtype."""
+"""16-bit checkpoints on CPU: bfloat16 weights stay 16-bit and multiply in XLA:CPU's best bf16 form (bf16 operands,
+float32 accumulation, >= 2 rows) beside a float32 KV cache where this process measured that form no slower than
+float32 (else they compute in float32, logged); float16 checkpoints compute in float32 by default, with a log line.
+Each default yields to an explicit dtype."""
 import logging
 import re
 
@@ -39,7 +40,7 @@ def test_bfloat16_product_is_one_bf16_dot_with_float32_accumulation(rows):
 
 def test_bfloat16_engine_keeps_16_bit_weights_and_greedy_matches_transformers(hf_checkpoint):
     folder = hf_checkpoint("qwen3_gqa4_headdim", dtype="bfloat16")
-    model = pj.load_model(folder)  # the checkpoint's dtype
+    model = pj.load_model(folder, dtype="bfloat16")  # forced, whatever this CPU's probe says
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(model.params))
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, model.config.vocab_size, 11)]
     assert pj.Engine(model, max_batch_size=1, max_seq_len=64, kv_dtype="bfloat16").cache.k[0].dtype == jnp.bfloat16
@@ -63,3 +64,24 @@ def test_float16_checkpoint_computes_in_float32_on_cpu_unless_forced(hf_checkpoi
         model = pj.load_model(folder)
     assert model.dtype == jnp.float32 and "float16 checkpoint computed in float32" in caplog.text
     assert pj.load_model(folder, dtype="float16").dtype == jnp.float16
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bfloat16_checkpoint_default_follows_the_measured_probe(hf_checkpoint, monkeypatch, caplog, fast):
+    f32 = {1: 1.0, 4: 2.0}
+    bf16 = {1: 0.6, 4: 1.9} if fast else {1: 0.6, 4: 2.1}  # slower at one row count is slower
+    monkeypatch.setattr(layers, "bfloat16_probe", lambda: layers.Bfloat16Probe(bfloat16_ms=bf16, float32_ms=f32))
+    folder = hf_checkpoint("qwen3_gqa4_headdim", dtype="bfloat16")
+    with caplog.at_level(logging.INFO, logger="pocketjax"):
+        model = pj.load_model(folder)
+    assert model.dtype == (jnp.bfloat16 if fast else jnp.float32)
+    assert ("computed in bfloat16" if fast else "computed in float32") in caplog.text
+    assert "1 row(s) 0.600 vs 1.000 ms" in caplog.text
+    assert pj.load_model(folder, dtype="bfloat16").dtype == jnp.bfloat16
+
+
+def test_bfloat16_probe_times_linear_on_both_dtypes_once_per_process():
+    probe = layers.bfloat16_probe()
+    assert layers.bfloat16_probe() is probe  # measured once; every later load reads the same decision
+    assert set(probe.bfloat16_ms) == set(probe.float32_ms) == set(layers.PROBE_ROWS)
+    assert all(0 < ms < 1e3 for ms in [*probe.bfloat16_ms.values(), *probe.float32_ms.values()])

@@ -233,14 +233,26 @@ def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, 
 
 
 def default_dtype(config: ModelConfig) -> str:
-    """The checkpoint's dtype, except float16 on CPU, which computes in float32 (and says so): XLA:CPU has a fast
-    bfloat16 product (`layers.bfloat16_product`) but none for float16, 8-15x slower than float32 in every form
-    measured. `load_model(dtype="float16")` still forces it."""
-    if config.dtype == "float16" and jax.default_backend() == "cpu":
+    """The checkpoint's dtype, except on CPU: float16 computes in float32 (XLA:CPU has no fast float16 product, 8-15x
+    slower than float32 in every form measured), and bfloat16 computes in float32 where this process's
+    `layers.bfloat16_probe` measured bf16 weights slower than float32 ones (twice the memory, never the slower
+    product). Both are logged; an explicit `load_model(dtype=...)` forces either."""
+    if jax.default_backend() != "cpu" or config.dtype not in ("float16", "bfloat16"):
+        return config.dtype
+    if config.dtype == "float16":
         layers.log.info("pocketjax: float16 checkpoint computed in float32 on CPU (no fast float16 product on "
                         "XLA:CPU; dtype='float16' forces it)")
         return "float32"
-    return config.dtype
+    probe = layers.bfloat16_probe()
+    measured = ", ".join(f"{r} row(s) {probe.bfloat16_ms[r]:.3f} vs {probe.float32_ms[r]:.3f} ms"
+                         for r in probe.float32_ms)
+    if probe.fast:
+        layers.log.info("pocketjax: bfloat16 checkpoint computed in bfloat16 on CPU (bf16 vs f32 product: %s)",
+                        measured)
+        return "bfloat16"
+    layers.log.info("pocketjax: bfloat16 checkpoint computed in float32 on CPU: this CPU's bf16 products measured "
+                    "slower (bf16 vs f32 product: %s; dtype='bfloat16' forces it)", measured)
+    return "float32"
 
 
 def load_model(path: str | Path, dtype: str | None = None, tp: int = 1, quantize: str | None = None,

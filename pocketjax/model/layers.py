@@ -1,8 +1,11 @@
 """The decoder's building blocks as pure functions, and the attention dispatch (xla | pallas | pallas_interpret)."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
+import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -71,13 +74,15 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Arr
 
 
 def bfloat16_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w.T for a bfloat16 weight [out, in] on CPU, in XLA:CPU's one fast bfloat16 form: bf16 operands, float32
+    """x @ w.T for a bfloat16 weight [out, in] on CPU, in XLA:CPU's best bfloat16 form: bf16 operands, float32
     accumulation (`preferred_element_type`), at least 2 rows.
 
-    Measured per [3072, 1024] product, 8 distinct weights per call (2-core AMD EPYC, jax 0.10.2): 0.25 ms at 1-8
-    rows (1 row padded to 2), 0.65 ms at 64, 2.1 ms at 256, where float32 takes 0.30-0.45, 1.35 and 3.8 ms; every
-    other bf16 form (a plain bf16 dot, the transposed w @ x.T, exactly 1 row) takes 3.4-7.6 ms. float16 has no fast
-    form on this CPU at any row count, which is why load_model computes float16 checkpoints in float32 on CPU.
+    Per [3072, 1024] product, 16 distinct weights per call (benchmarks/xla_cpu_matmul.py --suites bf16): at 1 row
+    every other bf16 form (unpadded, the transposed w @ x.T, the weight upcast inside the step, a multiply-reduce
+    fusion) is 1.6-8x slower than this one. Whether this form beats float32 depends on the CPU's library path (on a
+    2-core AMD EPYC Zen 3, AVX2 without AVX512_BF16: 1.4-2.5x float32's time per product at 1 row, 7x in the whole
+    decode step), so `default_dtype` loads bfloat16 checkpoints as bfloat16 only where `bfloat16_probe` measured it
+    no slower.
     """
     rows = math.prod(x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16)
@@ -85,6 +90,50 @@ def bfloat16_product(x: jax.Array, w: jax.Array) -> jax.Array:
         flat = jnp.pad(flat, ((0, 1), (0, 0)))
     y = jax.lax.dot_general(flat, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:rows]
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+@dataclass(frozen=True)
+class Bfloat16Probe:
+    """`linear`'s milliseconds per decode-shaped product with bfloat16 and with float32 weights, per row count."""
+
+    bfloat16_ms: dict[int, float]
+    float32_ms: dict[int, float]
+
+    @property
+    def fast(self) -> bool:
+        """True where bfloat16 weights multiplied no slower than float32 at every row count probed."""
+        return all(self.bfloat16_ms[r] <= self.float32_ms[r] for r in self.float32_ms)
+
+
+PROBE_SHAPE, PROBE_WEIGHTS, PROBE_ROWS, PROBE_ROUNDS = (2048, 1024), 8, (1, 4), 5
+
+
+@functools.cache
+def bfloat16_probe() -> Bfloat16Probe:
+    """This process's measurement of `linear` on bfloat16 vs float32 weights (once, ~1-3 s): PROBE_WEIGHTS distinct
+    weights per call (34 MB in bf16, past a 32 MB L3, so they come from memory as in a decode step), at 1 row and a
+    small batch, the minimum of PROBE_ROUNDS interleaved calls (a shared machine's load hits both alike).
+
+    A measurement, not CPU flags: which library path a bf16 dot takes (and how fast) depends on the CPU, the XLA
+    build and its flags; the ISA flags alone predict it wrong (an AVX512_BF16 Zen 4 decoded at 0.82x float32 at
+    1 request, issue 36).
+    """
+    keys = jax.random.split(jax.random.key(0), PROBE_WEIGHTS)
+    f32 = [jax.random.normal(k, PROBE_SHAPE, jnp.float32) for k in keys]
+    weights = {"bfloat16": [w.astype(jnp.bfloat16) for w in f32], "float32": f32}
+    product = jax.jit(lambda x, ws: sum(linear(x, w).astype(jnp.float32).sum() for w in ws))
+    best: dict[str, dict[int, float]] = {name: {} for name in weights}
+    for rows in PROBE_ROWS:
+        args = {name: (jnp.ones((rows, PROBE_SHAPE[1]), name), ws) for name, ws in weights.items()}
+        for name in weights:
+            jax.block_until_ready(product(*args[name]))  # compile
+        for _ in range(PROBE_ROUNDS):
+            for name in weights:
+                t0 = time.perf_counter()
+                jax.block_until_ready(product(*args[name]))
+                ms = 1e3 * (time.perf_counter() - t0) / PROBE_WEIGHTS
+                best[name][rows] = min(best[name].get(rows, math.inf), ms)
+    return Bfloat16Probe(bfloat16_ms=best["bfloat16"], float32_ms=best["float32"])
 
 
 def swiglu(p: dict, x: jax.Array) -> jax.Array:

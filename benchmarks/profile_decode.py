@@ -1,0 +1,114 @@
+"""Where a warm decode step spends its time: the engine's compiled step under `jax.profiler.trace`, per XLA op
+(fusion, dot, custom call) summed over the profiled steps, for each dtype the checkpoint is loaded as.
+
+A shared machine makes absolute times drift, so the dtypes are profiled in one process, back to back, and the table
+gives each op's share of its own step beside its milliseconds. The op names are XLA's (a `dot` or `*.fusion` with
+the HLO's shapes in `--hlo`), so a slow product shows up as one long op per layer.
+
+    python benchmarks/profile_decode.py --model qwen3-0.6b --dtype bfloat16 --load-dtypes bfloat16,float32 \
+        --concurrency 1,2 [--steps 8] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import jax  # noqa: E402
+
+from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from pocketjax import BatchedRequest, Engine, SamplingParams, load_model  # noqa: E402
+
+
+def trace_events(log_dir: Path) -> list[dict]:
+    """The complete ('X') events of the perfetto trace jax.profiler wrote under log_dir."""
+    (path,) = log_dir.rglob("*.trace.json.gz")
+    with gzip.open(path) as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
+def per_op(events: list[dict], steps: int) -> dict[str, float]:
+    """Milliseconds per step of each XLA op, named as the profiler names the compiled step's thunks."""
+    ops = defaultdict(float)
+    for e in events:
+        name = e.get("name", "")
+        if e.get("args", {}).get("hlo_op") or e.get("args", {}).get("hlo_module"):
+            ops[name] += e["dur"] / 1e3 / steps
+    return dict(ops)
+
+
+def op_kind(name: str) -> str:
+    """An op's family: the digits XLA appends to repeated ops are dropped, so the 28 layers' dots sum into one row."""
+    return name.rstrip("0123456789").rstrip(".").rstrip("_")
+
+
+def profile(engine: Engine, c: int, prompt_len: int, steps: int) -> dict:
+    """Prefill c prompts, run 3 warm decode steps, then `steps` traced ones; their per-op milliseconds."""
+    sampling = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    reqs = [BatchedRequest(request_id=f"p{i}", prompt_tokens=[2 + i] + [5] * (prompt_len - 1), sampling=sampling)
+            for i in range(c)]
+    for r in reqs:
+        engine.allocate_slot(r)
+    try:
+        engine.batch_prefill(reqs)
+        for _ in range(3):
+            engine.batch_decode_step(reqs)
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            with jax.profiler.trace(tmp, create_perfetto_trace=True):
+                for _ in range(steps):
+                    engine.batch_decode_step(reqs)
+            wall = (time.perf_counter() - t0) / steps
+            events = trace_events(Path(tmp))
+    finally:
+        for r in reqs:
+            engine.free_slot(r.request_id)
+    ops = per_op(events, steps)
+    kinds = defaultdict(float)
+    for name, ms in ops.items():
+        kinds[op_kind(name)] += ms
+    return {"concurrency": c, "step_ms": 1e3 * wall, "ops_ms": ops, "kinds_ms": dict(kinds)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--dtype", default="bfloat16", help="the checkpoint's dtype (a preset is built in it)")
+    p.add_argument("--load-dtypes", default="bfloat16,float32")
+    p.add_argument("--concurrency", default="1,2")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    folder = (build_preset(args.model, Path(args.cache_dir) / f"{args.model}-{args.dtype}", args.dtype)
+              if args.model in PRESETS else Path(args.model))
+    cs = [int(c) for c in args.concurrency.split(",")]
+    records = []
+    for dtype in args.load_dtypes.split(","):
+        model = load_model(folder, dtype=dtype)
+        engine = Engine(model, max_batch_size=max(cs), max_seq_len=256)
+        for c in cs:
+            records.append({"dtype": dtype, **profile(engine, c, args.prompt_len, args.steps)})
+        del engine, model
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": vars(args), "records": records}, indent=1))
+    for r in records:
+        total = sum(r["kinds_ms"].values())
+        print(f"\n{r['dtype']} c={r['concurrency']}: step {r['step_ms']:.1f} ms wall, ops {total:.1f} ms")
+        print("| op | ms/step | share |")
+        print("|---|---|---|")
+        for name, ms in sorted(r["kinds_ms"].items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"| {name} | {ms:.2f} | {100 * ms / total:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
