@@ -193,33 +193,47 @@ def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 SKINNY_ROWS = 64  # up to this many rows (decode batches) products run as w @ x.T on CPU (here and layers.linear)
 
 
+LOW_DIGIT = 254  # the second activation digit's step is the first's / 254: the residual (at most half a step) fits int8
+
+
+def activation_digits(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(digits int8 [2 * rows, K], step float32 [rows, 1]) with flat ~= step * (hi + lo / LOW_DIGIT), hi = digits[:rows],
+    lo = digits[rows:]: each row's value in two int8 digits, the second quantizing what the first leaves (at most
+    half a step). The one place that decides how int8 products see activations; see the module docstring."""
+    absmax = jnp.max(jnp.abs(flat), axis=-1, keepdims=True)
+    step = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    hi = jnp.round(flat / step)
+    lo = jnp.clip(jnp.round((flat - hi * step) * (LOW_DIGIT / step)), -127, 127)
+    return jnp.concatenate([hi, lo]).astype(jnp.int8), step
+
+
 def int8_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x @ W.T for a per-output-channel int8 W [out, in], as XLA:CPU's fast integer dot: x quantized per row to int8
-    (scale = max|row| / 127), s8 x s8 -> s32, then both scales applied to the result (W8A8, what llama.cpp's q8_0
-    does). At least 2 rows: exactly one falls off the fast library. Up to SKINNY_ROWS rows the dot is W @ xq.T with
-    the weight as its row-major left operand, materialized then transposed (the barrier keeps XLA from folding the
-    transpose back), as `layers.linear` does for float weights.
+    """x @ W.T for a per-output-channel int8 W [out, in], as XLA:CPU's fast integer dot: each row of x as two int8
+    digits (`activation_digits`), stacked as 2 x rows rows of one s8 x s8 -> s32 dot, the digits' partial products
+    then summed in float32 with both scales. At most half a step of the second digit, absmax / 64516 of a row, is lost
+    to activations: 15-bit activations, so an outlier channel no longer sets the step of every other value (it did
+    with one int8 digit per row, W8A8; see the module docstring for the numbers). Up to SKINNY_ROWS rows the dot is
+    W @ xq.T with the weight as its row-major left operand, materialized then transposed (the barrier keeps XLA from
+    folding the transpose back), as `layers.linear` does for float weights; the stacked digits give the fast library
+    the >= 2 rows it needs (exactly 1 row fell off it), so a batch-1 product reads the weight once, as before.
 
     Measured per product, 16 distinct weights per call (2-core AMD EPYC, jax 0.10.2, `benchmarks/xla_cpu_matmul.py
     --suites int8,float`), 1 / 8 rows: down ([1024, 3072]) 0.11 / 0.14 ms as W @ xq.T, 0.40 / 0.44 ms as
-    xq @ W[in, out]; gate ([3072, 1024]) 0.11 / 0.15 vs 0.15 / 0.21; float32 takes 0.29-0.30 / 0.38-0.42 ms. The activation rounding is an
-    extra error of at most half a step of each row's int8 grid (tests/test_quant.py bounds the logits' error).
+    xq @ W[in, out]; gate ([3072, 1024]) 0.11 / 0.15 vs 0.15 / 0.21; float32 takes 0.29-0.30 / 0.38-0.42 ms
+    (`--suites int8_activations` times the two digits against one digit, blocks of 32 and the weight-only product).
     """
     shape = x.shape
     flat = x.reshape(-1, shape[-1]).astype(jnp.float32)
     rows = flat.shape[0]
-    absmax = jnp.max(jnp.abs(flat), axis=-1, keepdims=True)
-    x_scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-    xq = jnp.round(flat / x_scale).astype(jnp.int8)
-    if rows == 1:
-        xq = jnp.pad(xq, ((0, 1), (0, 0)))
+    digits, step = activation_digits(flat)
     contract = (((1,), (1,)), ((), ()))
     if rows <= SKINNY_ROWS:
         acc = jax.lax.optimization_barrier(
-            jax.lax.dot_general(w.values, xq, contract, preferred_element_type=jnp.int32)).T[:rows]
+            jax.lax.dot_general(w.values, digits, contract, preferred_element_type=jnp.int32)).T
     else:
-        acc = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.int32)
-    y = acc.astype(jnp.float32) * x_scale * w.scale[:, 0]
+        acc = jax.lax.dot_general(digits, w.values, contract, preferred_element_type=jnp.int32)
+    acc = acc.astype(jnp.float32)
+    y = (acc[:rows] + acc[rows:] * (1.0 / LOW_DIGIT)) * step * w.scale[:, 0]
     return y.astype(x.dtype).reshape(*shape[:-1], w.values.shape[0])
 
 
