@@ -253,6 +253,23 @@ def test_prequantized_checkpoint_dequantizes_exactly_and_matches_float(hf_checkp
     assert rel_err(ours, ref) <= 1e-5, rel_err(ours, ref)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", ["awq", "gptq_asym_desc_act"])
+def test_plan_memory_of_a_prequantized_checkpoint_is_what_load_model_places(hf_checkpoint, tmp_path, case, tp):
+    """plan_memory of an AWQ/GPTQ config counts the int4 leaves (and desc_act's permutation) that load_model places,
+    not the float weights: equal to per_device_bytes of the loaded model on every device."""
+    from pocketjax.model.memory import per_device_bytes
+    method, fmt, sym, desc_act, source = CASES[case]
+    write_prequantized(hf_checkpoint(source), tmp_path / "q", tmp_path / "f", method, fmt, sym, desc_act)
+    model = pj.load_model(tmp_path / "q", tp=tp)
+    plan = pj.plan_memory(model.config, tp=tp, dtype="float32")
+    assert set(per_device_bytes(model.params).values()) == {plan.weights}
+    float_plan = pj.plan_memory(pj.load_model(tmp_path / "f").config, tp=tp, dtype="float32")
+    assert plan.details["weights.linear"] < 0.25 * float_plan.details["weights.linear"]
+    with pytest.raises(ConfigError, match="already"):
+        pj.plan_memory(model.config, quantize="int8")
+
+
 def test_prequantized_checkpoint_config_errors(hf_checkpoint, tmp_path):
     src = hf_checkpoint("qwen2_gqa2_tied")
     write_prequantized(src, tmp_path / "q", tmp_path / "f", "gptq", "gptq", True, False)

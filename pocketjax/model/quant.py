@@ -149,13 +149,17 @@ def quantize(w, bits: int, group_size: int | None = None) -> QuantizedWeight:
     return QuantizedWeight(values=pack_int4(q, scale.shape[-1]), scale=scale, zero=zero.astype(np.int8), bits=4)
 
 
-def leaf_shapes(out_features: int, in_features: int, bits: int) -> dict[str, tuple[tuple[int, ...], int]]:
-    """{leaf: (shape, bytes per element)} of `quantize`'s result for an [out, in] weight, without building it."""
+def leaf_shapes(out_features: int, in_features: int, bits: int, group_size: int | None = None, perm: bool = False
+                ) -> dict[str, tuple[tuple[int, ...], int]]:
+    """{leaf: (shape, bytes per element)} of `quantize`'s result for an [out, in] weight, without building it; int4
+    with `group_size` (default `group_size_for`) and a GPTQ desc_act `perm` describes what prequantized.read_linear
+    places."""
     if bits == 8:
         return {"values": ((out_features, in_features), 1), "scale": ((out_features, 1), 4)}
-    groups = in_features // group_size_for(in_features)
-    return {"values": ((out_features, in_features // 2), 1), "scale": ((out_features, groups), 4),
-            "zero": ((out_features, groups), 1)}
+    groups = in_features // (group_size or group_size_for(in_features))
+    shapes = {"values": ((out_features, in_features // 2), 1), "scale": ((out_features, groups), 4),
+              "zero": ((out_features, groups), 1)}
+    return shapes | ({"perm": ((in_features,), 4)} if perm else {})
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
