@@ -19,9 +19,17 @@ Schemes (every weight is [out, in], HF's layout, as all linears here):
   table [vocab, hidden] is one QuantizedWeight that serves both the token gather (`embed`, rows) and the output
   projection (vocab is its out axis).
 
-Matmul (`layers.linear`): per-channel int8 on CPU is an integer dot with activations quantized per row
-(`int8_product`, W8A8, the weight the dot's row-major left operand: 15-20x faster than what follows, 2-2.5x faster
-than float32). Everything else: `x @ dequantize(w, x.dtype).T`, the dequantization in float32 inside the jitted step.
+Matmul (`layers.linear`): per-channel int8 on CPU is an integer dot (`int8_product`, the weight the dot's row-major
+left operand: 15-20x faster than what follows, 2-2.5x faster than float32) with each activation row written as two
+int8 digits (`activation_digits`: x ~= s (hi + lo / 254), s = max|row| / 127), stacked into one dot over 2 x rows.
+Why two digits: real Qwen checkpoints carry a few hidden channels 30-1000x larger than the rest at every token; with
+one digit per row (W8A8, as first landed) such a channel sets every value's step. Measured (a [64, 1024] x
+[1024, 512] product, two channels scaled, RMS error / the weight-only product's error): one digit per row 1.4x / 7.0x /
+6.7x at x1 / x30 / x300; blocks of 32 (llama.cpp's q8_0) 1.2x / 1.7x / 1.7x; blocks of 128 1.3x / 2.9x / 2.9x; two
+digits 1.000x / 1.001x / 1.000x. Blocks need a batched dot per block, 2-4x slower on XLA:CPU (`benchmarks/
+xla_cpu_matmul.py --suites int8_activations`); two digits cost nothing at 1 row (the second digit replaces the
+padding row the fast library needs) and the dot over 2 x rows beyond. Smoothing (SmoothQuant) needs activation
+statistics from calibration data; LLM.int8()'s outlier split needs data-dependent shapes. Everything else: `x @ dequantize(w, x.dtype).T`, the dequantization in float32 inside the jitted step.
 Measured on XLA:CPU (jax 0.10.2, [1..16, 1024] @ [1024, 3072]): no formulation fuses the dequantization into the dot.
 Every variant, and even a plain bfloat16 dot (which XLA:CPU computes in float32), materializes one transient float32
 operand per matmul;
