@@ -56,6 +56,30 @@ def build_preset(name: str, folder: str | Path, dtype: str = "float32", seed: in
     return folder
 
 
+OUTLIER_CHANNELS = (7, 100)
+
+
+def plant_outliers(src: str | Path, dst: str | Path, factor: float, channels: tuple[int, ...] = OUTLIER_CHANNELS
+                   ) -> Path:
+    """A copy of checkpoint `src` in `dst` whose every layer's input and post-attention RMSNorm weights are `factor`
+    times larger at `channels`: the inputs of q/k/v and gate/up then carry those few channels `factor` times larger at
+    every token, the "massive activations" real Qwen checkpoints have (LLM.int8(); Sun et al. 2024). The float model
+    stays a valid model; only quantized products that share one step across a row's channels notice."""
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, f in open_checkpoint(src).items():
+        array = np.array(f.tensor(name))
+        if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
+            array[list(channels)] *= factor
+        tensors[name] = array
+    write_safetensors(dst / "model.safetensors", tensors)
+    for extra in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / extra).exists():
+            (dst / extra).write_bytes((src / extra).read_bytes())
+    return dst
+
+
 # HF module name -> llama.cpp's GGUF tensor name (the names convert_hf_to_gguf.py writes for qwen2 / qwen3).
 GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",

@@ -257,8 +257,83 @@ def suite_bf16(rng, reps: int) -> list[dict]:
     return out
 
 
+def suite_int8_activations(rng, reps: int) -> list[dict]:
+    """How the int8 product quantizes its activations, end to end from float x (quantize, dot, scales): one scale
+    per row (W8A8, one outlier channel sets every value's step), two int8 digits per value (x = s q1 + s/254 q2,
+    the rows doubled in one dot: 15-bit activations), one scale per block of 32 (llama.cpp's q8_0: a batched dot per
+    block, the weight stored [blocks, out, 32]), and the weight-only product (dequantize, float32 dot)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    barrier = jax.lax.optimization_barrier
+    nk = (((1,), (1,)), ((), ()))
+    block = 32
+
+    def quantized(x, s):
+        return jnp.round(x / s).astype(jnp.int8)
+
+    def skinny(w, xq):  # W @ xq.T (barrier, transposed), as int8_product
+        return barrier(jax.lax.dot_general(w, xq, nk, preferred_element_type=jnp.int32)).T
+
+    def per_row(x, w, ws):
+        s = jnp.max(jnp.abs(x), -1, keepdims=True) / 127
+        xq = quantized(x, s)
+        xq = jnp.pad(xq, ((0, 1), (0, 0))) if x.shape[0] == 1 else xq
+        return skinny(w, xq)[:x.shape[0]] * s * ws[:, 0]
+
+    def two_digits(x, w, ws):
+        s = jnp.max(jnp.abs(x), -1, keepdims=True) / 127
+        hi = jnp.round(x / s)
+        lo = jnp.clip(jnp.round((x - hi * s) * (254 / s)), -127, 127)
+        acc = skinny(w, jnp.concatenate([hi, lo]).astype(jnp.int8)).astype(jnp.float32)
+        rows = x.shape[0]
+        return (acc[:rows] + acc[rows:] * (1 / 254)) * s * ws[:, 0]
+
+    def per_block(x, wb, ws):  # wb [blocks, out, 32]
+        rows = x.shape[0]
+        xb = jnp.pad(x, ((0, max(0, 2 - rows)), (0, 0))).reshape(max(rows, 2), -1, block).transpose(1, 0, 2)
+        s = jnp.maximum(jnp.max(jnp.abs(xb), -1, keepdims=True), 1e-30) / 127  # [blocks, rows, 1]
+        acc = jax.lax.dot_general(wb, quantized(xb, s), (((2,), (2,)), ((0,), (0,))),
+                                  preferred_element_type=jnp.int32)  # [blocks, out, rows]
+        return jnp.einsum("gnr,gr->rn", acc.astype(jnp.float32), s[..., 0])[:rows] * ws[:, 0]
+
+    def weight_only(x, w, ws):
+        deq = (jnp.where(jnp.isnan(x[0]), 0, w).astype(jnp.float32) * ws)
+        return x @ deq.T
+
+    def float32(x, w):
+        rows = x.shape[0]
+        return barrier(w @ x.T).T if rows <= 64 else x @ w.T
+
+    out = []
+    for shape_name, (n, k) in SHAPES.items():
+        if shape_name.startswith("q "):
+            continue
+        for b in BATCHES + (16, 64, 512):
+            count = WEIGHTS if b <= 64 else 2  # compute-bound at prefill sizes: fewer weights, same per product
+            w8 = [jnp.asarray(rng.integers(-127, 128, (n, k), dtype=np.int8)) for _ in range(count)]
+            ws = [jnp.asarray(rng.random((n, 1), dtype=np.float32) / 127) for _ in range(count)]
+            wb = [jnp.asarray(np.ascontiguousarray(np.asarray(w).reshape(n, k // block, block).transpose(1, 0, 2)))
+                  for w in w8]
+            wf = [(jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)),) for _ in range(count)]
+            fns = {"per-row W8A8": summed(per_row), "two digits (rows x2)": summed(two_digits),
+                   "per-block 32 (batched)": summed(per_block), "weight-only (dequantize, f32 dot)":
+                   summed(weight_only), "float32": summed(float32)}
+            x = jnp.asarray(rng.standard_normal((b, k), dtype=np.float32))
+            args = {"per-row W8A8": (x, list(zip(w8, ws))), "two digits (rows x2)": (x, list(zip(w8, ws))),
+                    "per-block 32 (batched)": (x, list(zip(wb, ws))),
+                    "weight-only (dequantize, f32 dot)": (x, list(zip(w8, ws))), "float32": (x, wf)}
+            for name, s in best_of(fns, args, reps if b <= 64 else max(2, reps // 3)).items():
+                out.append({"suite": "int8_activations", "shape": shape_name, "batch": b, "form": name,
+                            "ms": 1e3 * s / count,
+                            "GB_s": n * k * (4 if name == "float32" else 1) * count / s / 1e9})
+            del w8, ws, wb, wf
+    return out
+
+
 SUITES = {"float": suite_float, "int8": suite_int8, "int4": suite_int4, "attention": suite_attention,
-          "bf16": suite_bf16}
+          "bf16": suite_bf16, "int8_activations": suite_int8_activations}
 
 
 def child(suite: str, reps: int) -> list[dict]:

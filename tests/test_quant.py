@@ -253,6 +253,23 @@ def test_prequantized_checkpoint_dequantizes_exactly_and_matches_float(hf_checkp
     assert rel_err(ours, ref) <= 1e-5, rel_err(ours, ref)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("case", ["awq", "gptq_asym_desc_act"])
+def test_plan_memory_of_a_prequantized_checkpoint_is_what_load_model_places(hf_checkpoint, tmp_path, case, tp):
+    """plan_memory of an AWQ/GPTQ config counts the int4 leaves (and desc_act's permutation) that load_model places,
+    not the float weights: equal to per_device_bytes of the loaded model on every device."""
+    from pocketjax.model.memory import per_device_bytes
+    method, fmt, sym, desc_act, source = CASES[case]
+    write_prequantized(hf_checkpoint(source), tmp_path / "q", tmp_path / "f", method, fmt, sym, desc_act)
+    model = pj.load_model(tmp_path / "q", tp=tp)
+    plan = pj.plan_memory(model.config, tp=tp, dtype="float32")
+    assert set(per_device_bytes(model.params).values()) == {plan.weights}
+    float_plan = pj.plan_memory(pj.load_model(tmp_path / "f").config, tp=tp, dtype="float32")
+    assert plan.details["weights.linear"] < 0.25 * float_plan.details["weights.linear"]
+    with pytest.raises(ConfigError, match="already"):
+        pj.plan_memory(model.config, quantize="int8")
+
+
 def test_prequantized_checkpoint_config_errors(hf_checkpoint, tmp_path):
     src = hf_checkpoint("qwen2_gqa2_tied")
     write_prequantized(src, tmp_path / "q", tmp_path / "f", "gptq", "gptq", True, False)
@@ -268,19 +285,92 @@ def test_prequantized_checkpoint_config_errors(hf_checkpoint, tmp_path):
             pj.load_model(bad)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 7])
+@pytest.mark.parametrize("rows", [1, 2, 7, 80])
 def test_int8_product_is_an_integer_dot_within_the_activation_rounding(rows):
-    """On CPU, per-channel int8 weights multiply as s8 x s8 -> s32 with x quantized per row (W8A8): its error
-    against x @ dequantize(W) is at most half a step of each row's int8 grid times sum_k |W[k, j]|."""
+    """On CPU, per-channel int8 weights multiply as s8 x s8 -> s32 with each row of x as two int8 digits: its error
+    against x @ dequantize(W) is at most half a step of the second digit (absmax / 127 / 254 / 2) times
+    sum_k |W[k, j]|, one digit's bound / 254."""
     rng = np.random.default_rng(rows)
     w = quant.quantize(rng.standard_normal((48, 64)).astype(np.float32), 8)  # [out, in]
     x = rng.standard_normal((rows, 64)).astype(np.float32)
+    x[:, 3] *= 300  # an outlier channel: one int8 digit per row would round every other value to a few levels
     got = np.asarray(quant.matmul(jnp.asarray(x), jax.device_put(w)), np.float64)
     deq = np.asarray(quant.dequantize(w), np.float64).T
-    half_step = np.abs(x).max(axis=1, keepdims=True) / 127 / 2
+    half_step = np.abs(x).max(axis=1, keepdims=True) / 127 / quant.LOW_DIGIT / 2
     bound = half_step * np.abs(deq).sum(axis=0)[None] + 1e-5 * np.abs(x @ deq) + 1e-6
     assert np.all(np.abs(got - x.astype(np.float64) @ deq) <= bound)
     text = jax.jit(quant.matmul).lower(jnp.asarray(x), jax.device_put(w)).as_text()
-    r = max(rows, 2)  # W @ xq.T: the weight is the dot's row-major left operand
-    assert re.search(rf"dot_general.*\(tensor<48x64xi8>, tensor<{r}x64xi8>\) -> tensor<48x{r}xi32>", text), \
-        "not an s8 x s8 -> s32 dot over >= 2 rows"
+    left, right = ("48x64xi8", f"{2 * rows}x64xi8") if rows <= quant.SKINNY_ROWS else (f"{2 * rows}x64xi8", "48x64xi8")
+    assert re.search(rf"dot_general.*\(tensor<{left}>, tensor<{right}>\) -> tensor<", text), \
+        "not one s8 x s8 -> s32 dot over both digits of every row (the weight on the left for decode batches)"
+
+
+TWO_DIGITS = quant.activation_digits
+
+
+def one_digit(flat):
+    """The int8 activations as first landed (W8A8: one int8 digit per row, scale max|row| / 127), to show what the
+    outlier tests catch."""
+    digits, step = TWO_DIGITS(flat)
+    return digits.at[flat.shape[0]:].set(0), step
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows", [1, 8, 100])
+def test_int8_product_error_stays_near_the_weight_rounding_with_outlier_channels(rows, dtype, monkeypatch):
+    """With two channels x30 / x300 at every row, the int8 product's error against the float weight is within 2x the
+    weight-only product's (x @ dequantize(W)); one activation digit per row (W8A8) is not."""
+    rng = np.random.default_rng(rows)
+    w = rng.standard_normal((96, 256)).astype(np.float32) * 0.05
+    qw = jax.device_put(quant.quantize(w, 8))
+    deq = np.asarray(quant.dequantize(qw), np.float64)
+    for factor in (30, 300):
+        x = rng.standard_normal((rows, 256)).astype(np.float32)
+        x[:, [7, 100]] *= factor
+        xj = jnp.asarray(x, dtype)
+        x64 = np.asarray(xj.astype(jnp.float32), np.float64)
+        want = x64 @ w.T.astype(np.float64)
+        weight_only = rel_rms(x64 @ deq.T, want)
+        assert rel_rms(np.asarray(quant.matmul(xj, qw).astype(jnp.float32), np.float64), want) <= 2 * weight_only
+        with monkeypatch.context() as m:
+            m.setattr(quant, "activation_digits", one_digit)  # matmul is not jitted here: no trace to clear
+            w8a8 = rel_rms(np.asarray(quant.matmul(xj, qw).astype(jnp.float32), np.float64), want)
+        assert w8a8 > 2 * weight_only, (factor, w8a8, weight_only)
+
+
+OUTLIER_MODEL = dict(hidden_size=192, intermediate_size=384, num_hidden_layers=3)  # heads 4 of 48, untied
+PREFILL_TOKENS = np.random.default_rng(7).integers(0, 300, size=(3, 40))  # 120 rows: the wide product
+DECODE_TOKENS = np.random.default_rng(8).integers(0, 300, size=(8, 1))  # 8 rows: a decode batch's product
+
+
+def rounded_weights(model: pj.Model) -> pj.Model:
+    """The model of the int8-rounded weights alone: every QuantizedWeight replaced by its float dequantization."""
+    import dataclasses
+    params = jax.tree.map(lambda w: quant.dequantize(w, model.dtype) if isinstance(w, QuantizedWeight) else w,
+                          model.params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+    return dataclasses.replace(model, params=params)
+
+
+@pytest.mark.parametrize("factor", [1, 30, 300])
+def test_int8_logits_with_outlier_channels_within_twice_the_weight_rounding(hf_checkpoint, tmp_path, factor,
+                                                                            monkeypatch):
+    """A random Qwen2 with two channels planted `factor` x larger through every RMSNorm weight (the massive
+    activations of real checkpoints): int8's logit error (vs the float model, relative to the largest logit) is
+    within 2x that of the model of the rounded weights alone, at prefill and decode row counts; with one activation
+    digit per row (int8 as first landed) it is not, once the channels are x30 or more."""
+    from benchmarks.presets import plant_outliers
+    folder = plant_outliers(hf_checkpoint("qwen2_mha_untied", **OUTLIER_MODEL), tmp_path / "planted", factor)
+    float_model, int8 = pj.load_model(folder), pj.load_model(folder, quantize="int8")
+    rounded = rounded_weights(int8)
+    for tokens in (PREFILL_TOKENS, DECODE_TOKENS):
+        ref = np.asarray(pj.logits(float_model, tokens))
+        weight_only = rel_err(np.asarray(pj.logits(rounded, tokens)), ref)
+        ours = rel_err(np.asarray(pj.logits(int8, tokens)), ref)
+        assert ours <= 2 * weight_only, (tokens.shape, ours, weight_only)
+        if factor >= 30:
+            with monkeypatch.context() as m:
+                m.setattr(quant, "activation_digits", one_digit)
+                jax.clear_caches()  # the forward is jitted: trace it again with the one-digit activations
+                w8a8 = rel_err(np.asarray(pj.logits(int8, tokens)), ref)
+            jax.clear_caches()
+            assert w8a8 > 2 * weight_only, (tokens.shape, w8a8, weight_only)

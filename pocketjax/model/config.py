@@ -100,13 +100,15 @@ class RopeConfig:
 class QuantizationConfig:
     """How an AWQ (GEMM) or GPTQ int4 checkpoint stores its linear weights: its checked `quantization_config`.
 
-    GPTQ's desc_act is not kept: the reader takes the row order from each weight's g_idx.
+    The reader takes GPTQ's row order from each weight's g_idx; `desc_act` is kept for planning (a desc_act weight is
+    stored with an int32 [in] permutation).
     """
 
     method: str  # "awq" | "gptq"
     bits: int  # 4
     group_size: int  # input rows per scale and zero; -1: one group over the whole input dim
     zero_offset: int  # added to every stored zero: GPTQ checkpoint_format "gptq" (v1) stores zero - 1
+    desc_act: bool = False  # GPTQ: input rows stored in activation order (a permutation per weight)
 
     def group_for(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
@@ -273,7 +275,8 @@ def parse_quantization(cfg: dict[str, Any]) -> QuantizationConfig | None:
     fmt = str(qc.get("checkpoint_format", "gptq")).lower()
     if fmt not in ("gptq", "gptq_v2"):
         raise ConfigError(f"GPTQ checkpoint_format={fmt!r} is not supported (supported: gptq, gptq_v2)")
-    return QuantizationConfig("gptq", 4, group, zero_offset=1 if fmt == "gptq" else 0)
+    return QuantizationConfig("gptq", 4, group, zero_offset=1 if fmt == "gptq" else 0,
+                              desc_act=qc.get("desc_act", False) is True)
 
 
 def parse_rope(cfg: dict[str, Any]) -> RopeConfig:

@@ -292,10 +292,9 @@ def load_model(path: str | Path, dtype: str | None = None, tp: int = 1, quantize
         place = quant.quantizing_placer(place, quantize, np.dtype(jnp.dtype(dtype)))
     if adapter is not None:
         place = merging_placer(place, adapter)
-    if stored is None:  # (a pre-quantized checkpoint is not planned yet: its float plan would overstate it)
-        plan = plan_memory(config, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=dtype, quantize=quantize)
-        check_fits(f"loading {path}", plan.weights, list(mesh.devices.flat) if mesh is not None
-                   else jax.devices()[:1], "quantize='int8' or 'int4', dtype='bfloat16', or tp=2")
+    plan = plan_memory(config, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=dtype, quantize=quantize)
+    check_fits(f"loading {path}", plan.weights, list(mesh.devices.flat) if mesh is not None
+               else jax.devices()[:1], "quantize='int8' or 'int4', dtype='bfloat16', or tp=2")
     read_dtype = jnp.float32 if quantize is not None else dtype
     params = load_params(folder, config, np.dtype(jnp.dtype(read_dtype)), place)
     if scan:

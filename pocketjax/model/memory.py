@@ -73,6 +73,8 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     """The MemoryPlan (bytes per device) of serving a model at tensor parallelism `tp` with `slots` x `max_seq_len`.
 
     dtype: weights and activations; quantize: None | "int8" | "int4" | "int8+head" | "int4+head" (as load_model);
+    a config with an AWQ/GPTQ `quantization` is planned as load_model places it (int4 linears with the checkpoint's
+    group, GPTQ desc_act's int32 permutation, the rest in dtype; it takes no `quantize`, as load_model).
     kv_dtype: the cache (default: dtype; "int8" adds float32 per-token, per-head scales).
     """
     config = config_or_dict if isinstance(config_or_dict, ModelConfig) else ModelConfig.from_dict(config_or_dict)
@@ -87,6 +89,9 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     check_tp(config, tp)
     mode = quant.parse_mode(quantize)
+    stored = config.quantization
+    if stored is not None and mode is not None:
+        raise ConfigError(f"quantize={quantize!r}: the checkpoint is already {stored.method} int{stored.bits}")
     a = itemsize(dtype)
 
     weights: dict[str, int] = {"linear": 0, "embedding+lm_head": 0, "norms+biases": 0}
@@ -97,6 +102,10 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
             # quantized weights keep the float weight's [out, in] layout (see quant.quantizing_placer)
             path = (quant.QUANTIZED,) + path
             leaves = quant.leaf_shapes(*shape, mode[0]).values()
+        elif stored is not None and name in quant.LINEAR_NAMES:  # prequantized.read_linear's QuantizedWeight
+            path = (quant.QUANTIZED,) + path
+            leaves = quant.leaf_shapes(*shape, stored.bits, stored.group_for(shape[1]),
+                                       perm=stored.method == "gptq" and stored.desc_act).values()
         else:
             leaves = [(shape, a)]
         nbytes = sum(device_bytes(path, s, size, config, tp) for s, size in leaves)
@@ -120,7 +129,7 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
            "scores": (tokens * q_local * max_seq_len * 4 * 2 + 2 * slots * kv_local * max_seq_len * d * kv_bytes
                       if attention == "xla" else 0),
            "logits+sampler": slots * vocab * (4 + 5),
-           "dequant": largest_linear if mode is not None else 0}
+           "dequant": largest_linear if mode is not None or stored is not None else 0}
 
     details = {f"weights.{k}": v for k, v in weights.items()} | {f"kv_cache.{k}": v for k, v in kv.items()}
     details |= {f"activations.{k}": v for k, v in act.items()}

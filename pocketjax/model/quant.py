@@ -19,9 +19,17 @@ Schemes (every weight is [out, in], HF's layout, as all linears here):
   table [vocab, hidden] is one QuantizedWeight that serves both the token gather (`embed`, rows) and the output
   projection (vocab is its out axis).
 
-Matmul (`layers.linear`): per-channel int8 on CPU is an integer dot with activations quantized per row
-(`int8_product`, W8A8, the weight the dot's row-major left operand: 15-20x faster than what follows, 2-2.5x faster
-than float32). Everything else: `x @ dequantize(w, x.dtype).T`, the dequantization in float32 inside the jitted step.
+Matmul (`layers.linear`): per-channel int8 on CPU is an integer dot (`int8_product`, the weight the dot's row-major
+left operand: 15-20x faster than what follows, 2-2.5x faster than float32) with each activation row written as two
+int8 digits (`activation_digits`: x ~= s (hi + lo / 254), s = max|row| / 127), stacked into one dot over 2 x rows.
+Why two digits: real Qwen checkpoints carry a few hidden channels 30-1000x larger than the rest at every token; with
+one digit per row (W8A8, as first landed) such a channel sets every value's step. Measured (a [64, 1024] x
+[1024, 512] product, two channels scaled, RMS error / the weight-only product's error): one digit per row 1.4x / 7.0x /
+6.7x at x1 / x30 / x300; blocks of 32 (llama.cpp's q8_0) 1.2x / 1.7x / 1.7x; blocks of 128 1.3x / 2.9x / 2.9x; two
+digits 1.000x / 1.001x / 1.000x. Blocks need a batched dot per block, 2-4x slower on XLA:CPU (`benchmarks/
+xla_cpu_matmul.py --suites int8_activations`); two digits cost nothing at 1 row (the second digit replaces the
+padding row the fast library needs) and the dot over 2 x rows beyond. Smoothing (SmoothQuant) needs activation
+statistics from calibration data; LLM.int8()'s outlier split needs data-dependent shapes. Everything else: `x @ dequantize(w, x.dtype).T`, the dequantization in float32 inside the jitted step.
 Measured on XLA:CPU (jax 0.10.2, [1..16, 1024] @ [1024, 3072]): no formulation fuses the dequantization into the dot.
 Every variant, and even a plain bfloat16 dot (which XLA:CPU computes in float32), materializes one transient float32
 operand per matmul;
@@ -149,13 +157,17 @@ def quantize(w, bits: int, group_size: int | None = None) -> QuantizedWeight:
     return QuantizedWeight(values=pack_int4(q, scale.shape[-1]), scale=scale, zero=zero.astype(np.int8), bits=4)
 
 
-def leaf_shapes(out_features: int, in_features: int, bits: int) -> dict[str, tuple[tuple[int, ...], int]]:
-    """{leaf: (shape, bytes per element)} of `quantize`'s result for an [out, in] weight, without building it."""
+def leaf_shapes(out_features: int, in_features: int, bits: int, group_size: int | None = None, perm: bool = False
+                ) -> dict[str, tuple[tuple[int, ...], int]]:
+    """{leaf: (shape, bytes per element)} of `quantize`'s result for an [out, in] weight, without building it; int4
+    with `group_size` (default `group_size_for`) and a GPTQ desc_act `perm` describes what prequantized.read_linear
+    places."""
     if bits == 8:
         return {"values": ((out_features, in_features), 1), "scale": ((out_features, 1), 4)}
-    groups = in_features // group_size_for(in_features)
-    return {"values": ((out_features, in_features // 2), 1), "scale": ((out_features, groups), 4),
-            "zero": ((out_features, groups), 1)}
+    groups = in_features // (group_size or group_size_for(in_features))
+    shapes = {"values": ((out_features, in_features // 2), 1), "scale": ((out_features, groups), 4),
+              "zero": ((out_features, groups), 1)}
+    return shapes | ({"perm": ((in_features,), 4)} if perm else {})
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
@@ -193,33 +205,47 @@ def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
 SKINNY_ROWS = 64  # up to this many rows (decode batches) products run as w @ x.T on CPU (here and layers.linear)
 
 
+LOW_DIGIT = 254  # the second activation digit's step is the first's / 254: the residual (at most half a step) fits int8
+
+
+def activation_digits(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(digits int8 [2 * rows, K], step float32 [rows, 1]) with flat ~= step * (hi + lo / LOW_DIGIT), hi = digits[:rows],
+    lo = digits[rows:]: each row's value in two int8 digits, the second quantizing what the first leaves (at most
+    half a step). The one place that decides how int8 products see activations; see the module docstring."""
+    absmax = jnp.max(jnp.abs(flat), axis=-1, keepdims=True)
+    step = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    hi = jnp.round(flat / step)
+    lo = jnp.clip(jnp.round((flat - hi * step) * (LOW_DIGIT / step)), -127, 127)
+    return jnp.concatenate([hi, lo]).astype(jnp.int8), step
+
+
 def int8_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x @ W.T for a per-output-channel int8 W [out, in], as XLA:CPU's fast integer dot: x quantized per row to int8
-    (scale = max|row| / 127), s8 x s8 -> s32, then both scales applied to the result (W8A8, what llama.cpp's q8_0
-    does). At least 2 rows: exactly one falls off the fast library. Up to SKINNY_ROWS rows the dot is W @ xq.T with
-    the weight as its row-major left operand, materialized then transposed (the barrier keeps XLA from folding the
-    transpose back), as `layers.linear` does for float weights.
+    """x @ W.T for a per-output-channel int8 W [out, in], as XLA:CPU's fast integer dot: each row of x as two int8
+    digits (`activation_digits`), stacked as 2 x rows rows of one s8 x s8 -> s32 dot, the digits' partial products
+    then summed in float32 with both scales. At most half a step of the second digit, absmax / 64516 of a row, is lost
+    to activations: 15-bit activations, so an outlier channel no longer sets the step of every other value (it did
+    with one int8 digit per row, W8A8; see the module docstring for the numbers). Up to SKINNY_ROWS rows the dot is
+    W @ xq.T with the weight as its row-major left operand, materialized then transposed (the barrier keeps XLA from
+    folding the transpose back), as `layers.linear` does for float weights; the stacked digits give the fast library
+    the >= 2 rows it needs (exactly 1 row fell off it), so a batch-1 product reads the weight once, as before.
 
     Measured per product, 16 distinct weights per call (2-core AMD EPYC, jax 0.10.2, `benchmarks/xla_cpu_matmul.py
     --suites int8,float`), 1 / 8 rows: down ([1024, 3072]) 0.11 / 0.14 ms as W @ xq.T, 0.40 / 0.44 ms as
-    xq @ W[in, out]; gate ([3072, 1024]) 0.11 / 0.15 vs 0.15 / 0.21; float32 takes 0.29-0.30 / 0.38-0.42 ms. The activation rounding is an
-    extra error of at most half a step of each row's int8 grid (tests/test_quant.py bounds the logits' error).
+    xq @ W[in, out]; gate ([3072, 1024]) 0.11 / 0.15 vs 0.15 / 0.21; float32 takes 0.29-0.30 / 0.38-0.42 ms
+    (`--suites int8_activations` times the two digits against one digit, blocks of 32 and the weight-only product).
     """
     shape = x.shape
     flat = x.reshape(-1, shape[-1]).astype(jnp.float32)
     rows = flat.shape[0]
-    absmax = jnp.max(jnp.abs(flat), axis=-1, keepdims=True)
-    x_scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-    xq = jnp.round(flat / x_scale).astype(jnp.int8)
-    if rows == 1:
-        xq = jnp.pad(xq, ((0, 1), (0, 0)))
+    digits, step = activation_digits(flat)
     contract = (((1,), (1,)), ((), ()))
     if rows <= SKINNY_ROWS:
         acc = jax.lax.optimization_barrier(
-            jax.lax.dot_general(w.values, xq, contract, preferred_element_type=jnp.int32)).T[:rows]
+            jax.lax.dot_general(w.values, digits, contract, preferred_element_type=jnp.int32)).T
     else:
-        acc = jax.lax.dot_general(xq, w.values, contract, preferred_element_type=jnp.int32)
-    y = acc.astype(jnp.float32) * x_scale * w.scale[:, 0]
+        acc = jax.lax.dot_general(digits, w.values, contract, preferred_element_type=jnp.int32)
+    acc = acc.astype(jnp.float32)
+    y = (acc[:rows] + acc[rows:] * (1.0 / LOW_DIGIT)) * step * w.scale[:, 0]
     return y.astype(x.dtype).reshape(*shape[:-1], w.values.shape[0])
 
 
