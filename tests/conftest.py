@@ -203,3 +203,13 @@ def hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def abstract_gpu():
+    """The GPU host's H200 as an abstract device for the test's duration, so jit(...).lower(lowering_platforms=
+    ("cuda",)) works on a CPU host: since JAX 0.11 Pallas's Triton lowering asks for the GPU it targets and raises
+    "No supported GPU devices found" without one (0.10 lowers the same with or without it)."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)):
+        yield device
