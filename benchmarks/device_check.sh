@@ -7,14 +7,34 @@
 # weights) at 1/8/32/64 requests under xla and pallas, with its share of the measured read bandwidth (HBM) at 1.
 # Everything lands in $OUT (default ./out). Budget: about 8 minutes (each step has its own timeout).
 #   OUT=./out bash benchmarks/device_check.sh
+# --dry-run (CI's second leg, on CPU, under the GPU host's Python/JAX): every step up to its first call that needs
+# a GPU, at the smallest sizes: the environment report, the kernel tests collected (and the no-pytest runner's
+# calls built) but not run, the kernel timings interpreted, the engine paths on XLA, the 0.6B step on the micro
+# preset with the same flags; each part left out says so in a "dry run: skipped" line. A script error, a renamed
+# flag or an import this JAX broke fails here, not in a GPU session's 15 minutes.
+#   OUT=/tmp/dry PYTHON=.venv312/bin/python bash benchmarks/device_check.sh --dry-run
 set -uo pipefail
 
+DRY=0
+case "${1:-}" in
+  --dry-run) DRY=1 ;;
+  "") ;;
+  *) echo "usage: bash benchmarks/device_check.sh [--dry-run]" >&2; exit 2 ;;
+esac
 OUT=${OUT:-./out}
 mkdir -p "$OUT"
 export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
-export JAX_PLATFORMS=cuda                      # tests/conftest.py only sets cpu when this is unset
-export POCKETJAX_KERNEL_TEST_MODE=gpu          # tests/test_kernels.py: interpret=False on the GPU
 PY=${PYTHON:-python}
+if [ "$DRY" -eq 1 ]; then
+  export JAX_PLATFORMS=cpu                     # POCKETJAX_KERNEL_TEST_MODE stays unset: tests import interpreted
+  COLLECT=(--collect-only)                     # the GPU tests are collected, never run
+  skipped() { echo "dry run: skipped: $* (needs a GPU)" | tee -a "$OUT/summary.txt"; }
+else
+  export JAX_PLATFORMS=cuda                    # tests/conftest.py only sets cpu when this is unset
+  export POCKETJAX_KERNEL_TEST_MODE=gpu        # tests/test_kernels.py: interpret=False on the GPU
+  COLLECT=()
+fi
+has_pytest=0; "$PY" -c "import pytest" 2>/dev/null && has_pytest=1
 
 echo "== environment" | tee "$OUT/summary.txt"
 timeout 60 "$PY" - <<'EOF' 2>&1 | tee "$OUT/env.txt" | tee -a "$OUT/summary.txt"
@@ -34,14 +54,20 @@ EOF
 env_rc=${PIPESTATUS[0]}
 
 echo "== kernel tests (GPU, not interpreted)" | tee -a "$OUT/summary.txt"
-if "$PY" -c "import pytest" 2>/dev/null; then
-  timeout 150 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -o addopts="" \
+[ "$DRY" -eq 1 ] && skipped "running the kernel tests compiled for the GPU: collected only"
+test_rc=0
+: > "$OUT/kernel_tests.log"
+if [ "$has_pytest" -eq 1 ]; then
+  timeout 150 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -o addopts="" "${COLLECT[@]}" \
     --junitxml "$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log"
   test_rc=${PIPESTATUS[0]}
-else
-  # No pytest on this machine: run every test function with a stand-in for the few pytest APIs used.
-  timeout 180 "$PY" - <<'EOF' 2>&1 | tee "$OUT/kernel_tests.log"
-import contextlib, sys, traceback, types
+fi
+if [ "$has_pytest" -eq 0 ] || [ "$DRY" -eq 1 ]; then
+  # No pytest on this machine: run every test function with a stand-in for the few pytest APIs used. The dry run
+  # builds its calls too (without running them), so a pytest API the stand-in lacks fails there.
+  [ "$DRY" -eq 1 ] && skipped "the no-pytest runner's kernel test calls: built, not run"
+  DRY=$DRY timeout 180 "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/kernel_tests.log"
+import contextlib, inspect, os, sys, traceback, types
 import jax, jaxlib, numpy, pallas_kernels  # before the stand-in: libraries probe for a real pytest
 from jax.experimental.pallas.ops.gpu import decode_attention  # noqa: F401
 pytest = types.ModuleType("pytest")
@@ -65,16 +91,23 @@ pytest.mark = types.SimpleNamespace(parametrize=_param, skipif=_skipif)
 pytest.raises, pytest.skip = _raises, lambda *a, **k: (_ for _ in ()).throw(_Skip())
 sys.modules["pytest"] = pytest
 import tests.test_kernels as t  # conftest is pytest-only; the env above replaces it
-failed = passed = 0
+failed = passed = built = 0
 for name in [n for n in dir(t) if n.startswith("test_")]:
     fn = getattr(t, name)
     if getattr(fn, "_skip", False):
+        continue
+    given = {n.strip() for names, _ in getattr(fn, "_params", []) for n in names.split(",")}
+    if fixtures := sorted(set(inspect.signature(fn).parameters) - given):  # conftest's: pytest-only
+        print("skipped", name, "(needs the pytest fixtures", ", ".join(fixtures) + ")")
         continue
     calls = [{}]
     for names, values in getattr(fn, "_params", []):  # every combination, "a, b" names taking tuples
         names = [n.strip() for n in names.split(",")]
         values = [v if len(names) > 1 else (v,) for v in values]
         calls = [{**c, **dict(zip(names, v))} for c in calls for v in values]
+    built += len(calls)
+    if os.environ["DRY"] == "1":
+        continue
     for kw in calls:
         try:
             fn(**kw); passed += 1
@@ -82,26 +115,40 @@ for name in [n for n in dir(t) if n.startswith("test_")]:
             pass
         except Exception:
             failed += 1; print("FAILED", name, kw); traceback.print_exc()
+if os.environ["DRY"] == "1":
+    print(f"dry run: {built} kernel test calls built")
+    sys.exit(0 if built else 1)
 print(f"{passed} passed, {failed} failed")
 sys.exit(1 if failed else 0)
 EOF
-  test_rc=${PIPESTATUS[0]}
+  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && test_rc=$rc
 fi
 tail -n 3 "$OUT/kernel_tests.log" >> "$OUT/summary.txt"
 
 echo "== Triton kernels through jax-triton (numerics vs the XLA reference)" | tee -a "$OUT/summary.txt"
-timeout 150 "$PY" -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider -o addopts="" -k numerics \
-  --junitxml "$OUT/triton_tests.xml" 2>&1 | tee "$OUT/triton_tests.log"
-triton_rc=${PIPESTATUS[0]}
+if [ "$DRY" -eq 0 ] && ! "$PY" -c "import jax_triton" 2>/dev/null; then
+  # The GPU host has Triton but no jax-triton (and no network): attention_impl="triton" falls back to XLA there.
+  echo "skipped: the Triton kernels through jax-triton: jax-triton is not importable here" \
+    | tee -a "$OUT/summary.txt" | tee "$OUT/triton_tests.log"
+  triton_rc=0
+else
+  [ "$DRY" -eq 1 ] && skipped "the Triton kernels launched through jax-triton: collected only"
+  timeout 150 "$PY" -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider -o addopts="" -k numerics \
+    "${COLLECT[@]}" --junitxml "$OUT/triton_tests.xml" 2>&1 | tee "$OUT/triton_tests.log"
+  triton_rc=${PIPESTATUS[0]}
+fi
 tail -n 3 "$OUT/triton_tests.log" >> "$OUT/summary.txt"
 
 echo "== kernel timings" | tee -a "$OUT/summary.txt"
-timeout 120 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels_bench.log"
+KERNEL_ARGS=(); [ "$DRY" -eq 1 ] && KERNEL_ARGS=(--smoke)  # every implementation once, interpreted, tiny
+timeout 120 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" "${KERNEL_ARGS[@]}" 2>&1 \
+  | tee "$OUT/kernels_bench.log"
 bench_rc=${PIPESTATUS[0]}
 sed -n '/^peak copy bandwidth/,$p' "$OUT/kernels_bench.log" >> "$OUT/summary.txt"
 
 echo "== engine per attention path: greedy tokens vs XLA, decode tok/s" | tee -a "$OUT/summary.txt"
-timeout 150 "$PY" benchmarks/device_check_engine.py --json "$OUT/engine_attention.json" 2>&1 \
+ENGINE_ARGS=(); [ "$DRY" -eq 1 ] && ENGINE_ARGS=(--max-tokens 4)  # on CPU every path falls back to XLA
+timeout 150 "$PY" benchmarks/device_check_engine.py --json "$OUT/engine_attention.json" "${ENGINE_ARGS[@]}" 2>&1 \
   | tee "$OUT/engine_attention.log"
 engine_rc=${PIPESTATUS[0]}
 sed -n '/^impl/,$p' "$OUT/engine_attention.log" >> "$OUT/summary.txt"
@@ -109,9 +156,14 @@ sed -n '/^impl/,$p' "$OUT/engine_attention.log" >> "$OUT/summary.txt"
 echo "== engine decode at Qwen3-0.6B shapes, bfloat16: tok/s at 1/8/32/64 requests, HBM share at 1" \
   | tee -a "$OUT/summary.txt"
 big_rc=0
+BIG_ARGS=(--model qwen3-0.6b --concurrency 1,8,32,64 --prompt-len 128 --gen-len 32)
+if [ "$DRY" -eq 1 ]; then
+  skipped "the 0.6B shapes at 1/8/32/64 requests: the micro preset at 1/2 requests instead"
+  BIG_ARGS=(--model qwen3-micro --concurrency 1,2 --prompt-len 8 --gen-len 2)
+fi
 for impl in xla pallas; do  # the random-weight checkpoint is built once under /tmp, not in $OUT
-  timeout 120 "$PY" benchmarks/bench_engine.py --model qwen3-0.6b --dtype bfloat16 --concurrency 1,8,32,64 \
-    --prompt-len 128 --gen-len 32 --repeats 1 --no-checks --peers "" --attention "$impl" \
+  timeout 120 "$PY" benchmarks/bench_engine.py "${BIG_ARGS[@]}" --dtype bfloat16 \
+    --repeats 1 --no-checks --peers "" --attention "$impl" \
     --json "$OUT/engine_06b_$impl.json" 2>&1 | tee "$OUT/engine_06b_$impl.log"
   rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && big_rc=$rc
   sed -n '/^peaks/,$p' "$OUT/engine_06b_$impl.log" >> "$OUT/summary.txt"

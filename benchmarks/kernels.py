@@ -6,7 +6,10 @@ attention FLOP/s next to a measured large-matmul peak. On CPU, `--quick` runs ti
 timings are real, the Pallas ones are interpret mode (a Python-level emulation) and mean nothing
 about the kernels' speed. Prints a markdown table last; `--json PATH` writes every row.
 
-    PYTHONPATH=. python benchmarks/kernels.py [--quick] [--json out/kernels.json]
+    PYTHONPATH=. python benchmarks/kernels.py [--quick | --smoke] [--json out/kernels.json]
+
+`--smoke` (device_check.sh --dry-run) runs one tiny shape per kernel once and fails on any error row: it checks
+that the script and every implementation run under this JAX, and times nothing.
 """
 from __future__ import annotations
 
@@ -140,6 +143,7 @@ def markdown(rows, peaks) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU, smoke runs)")
+    parser.add_argument("--smoke", action="store_true", help="one tiny shape per kernel, once; fail on any error")
     parser.add_argument("--json", help="write results to this path")
     parser.add_argument("--impls", default="pallas,xla,jax_gqa,pallas_int8,xla_int8")
     parser.add_argument("--q-heads", type=int, default=32)
@@ -156,7 +160,11 @@ def main() -> None:
     dtype = jnp.dtype(args.dtype)
     impls = set(args.impls.split(","))
     repeats = args.repeats or (3 if quick else 20)
-    if quick:
+    if args.smoke:
+        decode_shapes, prefill_seqs, repeats = [(1, 256)], [64], 1
+        q_heads, kv_heads, d = 8, 2, 64
+        peaks = dict(copy_gbps=copy_bandwidth(1 << 22, 1) / 1e9, matmul_tflops=matmul_flops(256, jnp.float32, 1) / 1e12)
+    elif quick:
         decode_shapes = [(s, t) for s in (1, 8) for t in (256, 1024)]
         prefill_seqs = [256]
         q_heads, kv_heads, d = 8, 2, 64
@@ -190,6 +198,8 @@ def main() -> None:
             json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
     print(json.dumps(meta, default=str))
     print(markdown(rows, peaks))
+    if args.smoke and any("error" in r for r in rows):
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

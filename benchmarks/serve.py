@@ -73,7 +73,7 @@ class Trace:
 
 
 def build_checkpoint(folder: Path, size: str) -> Path:
-    """A random-weight transformers Qwen3 checkpoint, built by the tests' own builder."""
+    """A random-weight Qwen3 checkpoint in transformers' layout, built by the tests' own builder (numpy, no torch)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_hf_checkpoint  # noqa: PLC0415 - after jax: its env defaults no longer apply
 

@@ -10,10 +10,38 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+import importlib  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
+from types import ModuleType  # noqa: E402
 
 import pytest  # noqa: E402
+
+class MissingOracle:
+    """Stands in for a reference library that is not installed: a test that touches it is skipped, not failed.
+
+    CI's second leg (Python 3.12, the GPU host's JAX) has no torch, transformers or peft; with `torch =
+    oracle("torch")` at the top of a module every test that needs no reference still runs there, and each one
+    that compares against the library skips with this reason (pytest -ra lists them). Private names raise
+    AttributeError, so pytest's and hypothesis's probing of module globals never skips anything.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("_"):
+            raise AttributeError(attr)
+        pytest.skip(f"needs {self.name} as the reference (not installed: CI's torch-free leg)")
+
+
+def oracle(name: str) -> ModuleType | MissingOracle:
+    """The reference library `name` (torch, transformers, peft) if installed, else a stand-in that skips."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return MissingOracle(name)
+
 
 # Tiny Qwen configs covering the parity matrix: Qwen2 with bias, Qwen3 with QK-norm and explicit head_dim,
 # tied and untied, GQA ratios 1, 2, 3 and 4, odd vocab sizes, RoPE scaling.
@@ -43,9 +71,104 @@ TINY_CONFIGS: dict[str, dict] = {
 }
 
 
+def hf_config(name: str, dtype: str = "float32", **overrides) -> dict:
+    """config.json as transformers 5 saves a Qwen2/Qwen3 model (rope_parameters, layer_types, its defaults)."""
+    cfg = {**TINY_CONFIGS[name], **overrides}
+    model_type = cfg["model_type"]
+    rope = {**(cfg.pop("rope_scaling", None) or {}), "rope_theta": cfg.pop("rope_theta")}
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    out = {"architectures": [f"{model_type.capitalize()}ForCausalLM"], "attention_dropout": 0.0,
+           "bos_token_id": None, "dtype": dtype, "eos_token_id": None, "hidden_act": "silu",
+           "initializer_range": 0.02, "max_position_embeddings": 32768, "max_window_layers": 0,
+           "pad_token_id": None, "rms_norm_eps": 1e-06, "rope_parameters": rope, "sliding_window": None,
+           "tie_word_embeddings": False, "use_cache": True, "use_sliding_window": False}
+    if model_type == "qwen3":
+        out |= {"attention_bias": False, "head_dim": 128}
+    out |= cfg
+    out["layer_types"] = ["full_attention"] * out["num_hidden_layers"]
+    return dict(sorted(out.items()))
+
+
+def hf_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor transformers' Qwen2/Qwen3ForCausalLM saves, by name (written out here, not pocketjax's)."""
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    qwen3 = config["model_type"] == "qwen3"
+    head_dim = config["head_dim"] if qwen3 else hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    layer = {"input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+             "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+             "mlp.down_proj.weight": (hidden, inter), "self_attn.q_proj.weight": (q, hidden),
+             "self_attn.k_proj.weight": (kv, hidden), "self_attn.v_proj.weight": (kv, hidden),
+             "self_attn.o_proj.weight": (hidden, q)}
+    if not qwen3 or config["attention_bias"]:  # Qwen2 always has q/k/v biases; Qwen3's flag adds o_proj's too
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if qwen3 and config["attention_bias"]:
+        layer["self_attn.o_proj.bias"] = (hidden,)
+    if qwen3:
+        layer |= {"self_attn.q_norm.weight": (head_dim,), "self_attn.k_norm.weight": (head_dim,)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, hidden)
+    for i in range(config["num_hidden_layers"]):
+        shapes |= {f"model.layers.{i}.{k}": v for k, v in layer.items()}
+    return dict(sorted(shapes.items()))
+
+
+def shard_size_bytes(size: str) -> int:
+    """transformers' max_shard_size strings: "20KB" is 20 * 10**3 bytes, "5MiB" is 5 * 2**20."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9}
+    unit = next(u for u in units if size.upper().endswith(u))
+    return int(float(size[:-len(unit)]) * units[unit])
+
+
 def build_hf_checkpoint(folder: Path, name: str, seed: int = 0, dtype: str = "float32",
                         max_shard_size: str | None = None, **overrides) -> Path:
-    """Save a random-weight transformers Qwen2/Qwen3 model (weights scaled up so logits are far from uniform)."""
+    """Save a random-weight Qwen2/Qwen3 checkpoint in transformers' layout with numpy + safetensors (no torch).
+
+    Weights are scaled up so logits are far from uniform: every 1-D tensor (norms and biases) 1 + 0.2 N(0, 1),
+    every matrix N(0, 0.08), the distribution the transformers-built fixture drew with torch.
+    transformers loads the folder as its own (tests/test_checkpoint_builder.py checks that in the first CI leg),
+    so the parity tests compare against it while the second leg runs without torch on the same weights.
+    """
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = hf_config(name, dtype=dtype, **overrides)
+    rng = np.random.default_rng(seed)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+    tensors = {}
+    for tensor, shape in hf_tensor_shapes(config).items():
+        draw = rng.standard_normal(shape, dtype=np.float32)
+        tensors[tensor] = (1.0 + 0.2 * draw if len(shape) == 1 else 0.08 * draw).astype(np_dtype)
+    shards: list[dict] = [{}]
+    limit = shard_size_bytes(max_shard_size) if max_shard_size else None
+    for tensor, array in tensors.items():
+        if limit and shards[-1] and sum(a.nbytes for a in shards[-1].values()) + array.nbytes > limit:
+            shards.append({})
+        shards[-1][tensor] = array
+    if len(shards) == 1:
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards, 1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, folder / file, metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(shard, file)
+        index = {"metadata": {"total_parameters": sum(a.size for a in tensors.values()),
+                              "total_size": sum(a.nbytes for a in tensors.values())}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True))
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {"_from_model_config": True, "output_attentions": False, "output_hidden_states": False,
+                  "use_cache": True}
+    (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return folder
+
+
+def build_hf_checkpoint_with_transformers(folder: Path, name: str, seed: int = 0, dtype: str = "float32",
+                                          max_shard_size: str | None = None, **overrides) -> Path:
+    """The same checkpoint as transformers' save_pretrained writes it (torch's random weights): the layout oracle."""
     import torch
     import transformers
 
@@ -80,3 +203,13 @@ def hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture
+def abstract_gpu():
+    """The GPU host's H200 as an abstract device for the test's duration, so jit(...).lower(lowering_platforms=
+    ("cuda",)) works on a CPU host: since JAX 0.11 Pallas's Triton lowering asks for the GPU it targets and raises
+    "No supported GPU devices found" without one (0.10 lowers the same with or without it)."""
+    device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)):
+        yield device

@@ -4,12 +4,15 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from pocketjax.model.config import ModelConfig, QuantizationConfig, rope_frequencies
 from pocketjax.model.layers import rope_tables
 from pocketjax.errors import ConfigError
+
+from conftest import oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
 
 QWEN3_06B = {  # as released (transformers 4 spelling)
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "bos_token_id": 151643,

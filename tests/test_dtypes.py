@@ -9,13 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import pocketjax as pj
 from pocketjax.model import layers
 
 from test_engine import run
+from conftest import oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
 
 GREEDY = pj.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -5,14 +5,17 @@ from dataclasses import replace
 import numpy as np
 import psutil
 import pytest
-import torch
-import transformers
 
 import pocketjax as pj
 from pocketjax.engine.engine import Engine, PendingDecode
 from pocketjax.engine.request import BatchedRequest
 from pocketjax.errors import CapacityError, RequestError, SamplingError
 from pocketjax.engine.sampling import SamplingParams
+
+from conftest import oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 

@@ -43,7 +43,8 @@ def models(hf_checkpoint):
 
 @pytest.fixture(scope="module")
 def hooks(models):
-    vector = np.random.default_rng(3).normal(0, 0.4, models[False].config.hidden_size).astype(np.float32)
+    # std 1.0: at 0.4 one prompt's repeated greedy token outlasted the steering on the seed-0 test checkpoint
+    vector = np.random.default_rng(3).normal(0, 1.0, models[False].config.hidden_size).astype(np.float32)
     return steer_at(1, vector), scale_all(1.5)
 
 

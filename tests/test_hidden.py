@@ -4,12 +4,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import pocketjax as pj
 from pocketjax.errors import RequestError
 from pocketjax.model import layers
+
+from conftest import oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
 
 NAME = "qwen3_gqa4_headdim"  # 3 layers, QK-norm, untied lm_head
 PATCHED_LAYER = 1

@@ -4,15 +4,18 @@ import json
 
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import pocketjax as pj
 from pocketjax.errors import CheckpointError, ConfigError, RequestError
 from pocketjax.model.lora import LoraConfig, read_adapter, write_adapter
 from pocketjax.nnx import Decoder
 
-peft = pytest.importorskip("peft")
+from conftest import oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
+peft = oracle("peft")
+
 
 CASES = {  # name: (checkpoint, PEFT LoraConfig keywords)
     "qv_down": ("qwen3_gqa4_headdim", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])),

@@ -1,17 +1,19 @@
 """Parity of pj.logits with transformers' forward on the same random-weight checkpoints."""
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import pocketjax as pj
 from pocketjax.errors import RequestError
 
-from conftest import TINY_CONFIGS
+from conftest import TINY_CONFIGS, oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
 
 
-def hf_logits(folder, tokens: np.ndarray, dtype=torch.float32) -> np.ndarray:
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+def hf_logits(folder, tokens: np.ndarray, dtype=None) -> np.ndarray:
+    """transformers' logits for tokens, in dtype (default torch.float32)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor(tokens)).logits.float().numpy()
 

@@ -5,8 +5,6 @@ from dataclasses import replace
 import jax
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import pocketjax as pj
 from pocketjax.engine.request import BatchedRequest
@@ -15,6 +13,10 @@ from pocketjax.errors import RequestError, SamplingError
 from pocketjax.serve.llm import DEFAULT_MODEL
 
 from test_engine import random_prompts, run
+from conftest import oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
 
 # Two XLA programs (chunks attending over the slotted cache vs one causal pass) round differently: observed
 # differences are ~1e-6 at |logprob| <= 10, i.e. ~10 float32 ulps; 2e-5 leaves room without hiding a wrong position

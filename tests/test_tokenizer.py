@@ -13,7 +13,9 @@ from pocketjax.training.bpe import CHATML_TEMPLATE, SPECIAL_TOKENS, split_holdou
 from pocketjax.errors import CheckpointError, RequestError
 from pocketjax.serve.tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
 
-transformers = pytest.importorskip("transformers")
+from conftest import oracle
+
+transformers = oracle("transformers")
 
 # Text with characters that a 1000-token vocabulary trained on Python code must split into byte tokens.
 UNICODE_TEXT = "héllo wörld — naïve café. 你好，世界！ Привет мир. 😀🎉👩‍💻 ﬁ e\u0301 ½"

@@ -7,8 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 import pocketjax as pj
 from pocketjax.training import data, evaluation, train
@@ -16,6 +14,11 @@ from pocketjax.model.checkpoint import SafetensorsFile
 from pocketjax.model.config import ModelConfig
 from pocketjax.errors import ConfigError, RequestError
 from pocketjax.serve.tokenizer import Tokenizer
+
+from conftest import oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
 
 ASSET = Path(train.__file__).parents[1] / "assets" / "pocket-coder"
 ARCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
