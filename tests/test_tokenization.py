@@ -69,6 +69,10 @@ def test_tokenize_matches_transformers(server, hf):
     ("/tokenize", {}, "prompt"),
     ("/tokenize", {"prompt": 5}, "prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 7 * 7 }}"}, "chat_template"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"chat_template": "{{ 7 }}"}},
+     "chat_template_kwargs"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": []}},
+     "chat_template_kwargs"),
     ("/detokenize", {"tokens": [5, 1 << 20]}, "tokens"),
     ("/detokenize", {"tokens": "5"}, "tokens"),
 ])

@@ -289,3 +289,29 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def finish_reason(completion: Completion) -> str:
     return completion.finish_reason or "stop"
+
+
+# chat_template_kwargs set template variables only: these would replace the template or the conversation
+RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "conversation", "tools", "documents",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+                                      "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask"})
+
+
+def template_options(kwargs: dict[str, Any] | None, trusted: bool) -> dict[str, Any]:
+    """apply_chat_template's keywords for a request: its chat_template_kwargs as template variables, after checking
+    that none replaces the conversation or the generation prompt, nor (unless trusted) the template; 400 naming it."""
+    kwargs = dict(kwargs or {})
+    for key in kwargs:
+        if key == "chat_template" and trusted:
+            if not isinstance(kwargs[key], str):
+                raise APIError(400, "chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs")
+            continue
+        if key == "chat_template":
+            raise APIError(400, "chat_template_kwargs.chat_template: request-supplied chat templates are off on this "
+                                "server (pocketjax serve --trust-request-chat-template turns them on)",
+                           param="chat_template_kwargs", code="chat_template_not_allowed")
+        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier() or key.startswith("_"):
+            raise APIError(400, f"chat_template_kwargs.{key!r} cannot be set: chat_template_kwargs only sets template "
+                                f"variables (the messages, tools and generation prompt come from the request)",
+                           param="chat_template_kwargs")
+    return {"add_generation_prompt": True, **kwargs}

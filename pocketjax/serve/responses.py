@@ -11,6 +11,7 @@ reasoning, background, include, auto truncation, images, function-call items) is
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -122,7 +123,8 @@ def responses_router(llm: LLM, model_name: str, check: Callable[[SamplingFields]
     @router.post("/responses")
     async def create(body: ResponsesRequest, request: Request):
         check(body)
-        prompt = llm.encode(llm.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True))
+        prompt = await asyncio.to_thread(  # off the event loop, as the chat endpoint renders
+            lambda: llm.encode(llm.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True)))
         try:
             max_tokens = budget(prompt, body.max_output_tokens, None)
         except APIError as error:  # the budget speaks of the chat endpoints' field

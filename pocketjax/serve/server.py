@@ -33,8 +33,8 @@ from .handle import RequestHandle
 from .http_guard import HTTPGuard, ServerLimits
 from .metrics import HTTPCounter, RequestMetrics, metrics_router
 from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, StreamOptions,
-                              TokenText, chat_logprobs, completion_logprobs, error_body, finish_reason, usage,
-                              with_seed)
+                              TokenText, chat_logprobs, completion_logprobs, error_body, finish_reason,
+                              template_options, usage, with_seed)
 from .responses import responses_router
 from .tokenization import tokenization_router
 
@@ -44,10 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pocketjax.server")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-# chat_template_kwargs set template variables only: these would replace the template or the conversation
-RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "conversation", "tools", "documents",
-                                      "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
-                                      "return_tensors", "tokenizer_kwargs", "return_assistant_tokens_mask"})
 MAX_JSON_DEPTH = 32  # nesting of messages and chat_template_kwargs (templates read a few levels)
 HOST_WORKERS = 4  # threads that render templates and tokenize, off the event loop
 # A 429 (queue full) says when to retry: the queue drains as requests finish, seconds at most for a typical load;
@@ -220,24 +216,6 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     return app
 
 
-def template_options(kwargs: dict[str, Any] | None, trusted: bool) -> dict[str, Any]:
-    """apply_chat_template's keywords for a request: its chat_template_kwargs as template variables, after checking
-    that none replaces the conversation or the generation prompt, nor (unless trusted) the template; 400 naming it."""
-    kwargs = dict(kwargs or {})
-    for key in kwargs:
-        if key == "chat_template" and trusted:
-            if not isinstance(kwargs[key], str):
-                raise APIError(400, "chat_template_kwargs.chat_template must be a string", param="chat_template_kwargs")
-            continue
-        if key == "chat_template":
-            raise APIError(400, "chat_template_kwargs.chat_template: request-supplied chat templates are off on this "
-                                "server (pocketjax serve --trust-request-chat-template turns them on)",
-                           param="chat_template_kwargs", code="chat_template_not_allowed")
-        if key in RESERVED_TEMPLATE_KWARGS or not key.isidentifier() or key.startswith("_"):
-            raise APIError(400, f"chat_template_kwargs.{key!r} cannot be set: chat_template_kwargs only sets template "
-                                f"variables (the messages, tools and generation prompt come from the request)",
-                           param="chat_template_kwargs")
-    return {"add_generation_prompt": True, **kwargs}
 
 
 def render_prompt(llm: LLM, messages: list[dict[str, Any]], options: dict[str, Any],

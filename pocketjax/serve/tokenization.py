@@ -7,12 +7,13 @@ server (`RemoteTokenizer`: eos/bos/pad tokens and the chat template from /tokeni
 """
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from .openai_protocol import APIError, chat_messages
+from .openai_protocol import APIError, chat_messages, template_options
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -56,17 +57,23 @@ def tokenization_router(llm: LLM, model_name: str) -> APIRouter:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", param="prompt")
         if body.messages is None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens in (None, True))
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt,  # a large prompt: off the event loop
+                                          add_special_tokens=body.add_special_tokens in (None, True))
         else:
             if body.chat_template is not None and body.chat_template not in tokenizer.chat_templates:
                 raise APIError(400, f"chat_template must name one of this model's templates "
                                     f"{sorted(tokenizer.chat_templates)}; a template in the request is not "
                                     f"accepted", param="chat_template")
-            text = tokenizer.apply_chat_template(
-                chat_messages(body.messages), add_generation_prompt=body.add_generation_prompt,
-                tools=body.tools, chat_template=body.chat_template,
-                continue_final_message=body.continue_final_message, **(body.chat_template_kwargs or {}))
-            ids = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+            options = {**template_options(body.chat_template_kwargs, trusted=False),  # variables only (400 naming
+                       "add_generation_prompt": body.add_generation_prompt}  # a key that would replace more)
+
+            def render() -> list[int]:  # off the event loop, as the chat endpoint renders (bounded by the sandbox)
+                text = tokenizer.apply_chat_template(chat_messages(body.messages), tools=body.tools,
+                                                     chat_template=body.chat_template,
+                                                     continue_final_message=body.continue_final_message, **options)
+                return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+
+            ids = await asyncio.to_thread(render)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.engine.max_seq_len, "tokens": ids,
                                "token_strs": None}
         if body.return_token_strs:
