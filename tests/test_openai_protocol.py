@@ -58,14 +58,14 @@ def reference_logprobs(llm, tokens: list[int]) -> np.ndarray:
 
 @functools.cache
 def HF_TOKENIZER():  # noqa: N802 - a memoized constant
-    import transformers
+    transformers = pytest.importorskip("transformers")  # the reference: the torch-free CI leg skips
 
     return transformers.AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
 
 
 def token_bytes(token_id: int) -> bytes:
     """transformers' own byte-level table: the bytes a GPT-2-style piece stands for."""
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    bytes_to_unicode = pytest.importorskip("transformers.convert_slow_tokenizer").bytes_to_unicode
 
     byte_of = {c: b for b, c in bytes_to_unicode().items()}
     return bytes(byte_of[c] for c in HF_TOKENIZER().convert_ids_to_tokens(token_id))
