@@ -66,14 +66,16 @@ def chat(server, key: str | None = KEY, **fields) -> tuple[int, dict]:
 
 def raw(server, data: bytes, wait: float = 5.0) -> bytes:
     """Send raw bytes on a fresh connection; everything the server answers until it closes (or `wait` passes)."""
+    out = b""
     with socket.create_connection((server.host, server.port), timeout=wait) as sock:
-        sock.sendall(data)
-        out = b""
         try:
+            sock.sendall(data)
             while chunk := sock.recv(65536):
                 out += chunk
         except socket.timeout:
             pass
+        except (ConnectionResetError, BrokenPipeError):  # the server answered and closed while we still sent
+            out += b"<reset>"
         return out
 
 
@@ -152,7 +154,9 @@ def test_bodies_past_the_limit_are_413(guarded):
     chunk = b"x" * 65536
     for _ in range(20):  # 1.3 MB in chunks, no Content-Length
         chunked += f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
-    assert raw(guarded, chunked + b"0\r\n\r\n").startswith(b"HTTP/1.1 413")
+    answer = raw(guarded, chunked + b"0\r\n\r\n")  # a 413, or a reset mid-body when it lands before we read it
+    assert answer.startswith(b"HTTP/1.1 413") or answer == b"<reset>", answer[:200]
+    assert post(guarded.url + "/health", b"", key=None)[0] in (200, 405)  # and the server still serves
 
 
 def test_incomplete_requests_time_out(guarded):
@@ -224,7 +228,7 @@ def test_odd_requests_get_typed_answers(guarded):
 def test_a_failing_stream_ends_properly_and_its_batch_mate_is_served(llm, guarded, monkeypatch):
     """An exception no validation foresaw (here injected into the engine's packing for one seed) fails only its own
     request: its stream ends with an error event and [DONE], a concurrent request returns what it returns alone."""
-    import pocketjax.engine.engine as engine_module
+    import pocketjax.engine.plan as engine_module  # where the engine packs its steps' sampling arrays
 
     real = engine_module.pack_sampling
 
