@@ -140,7 +140,7 @@ def test_quantization_config_parsed_once_into_a_typed_scheme():
     for fmt, offset in (("gptq", 1), ("gptq_v2", 0)):
         qc = {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": True, "checkpoint_format": fmt}
         gptq = ModelConfig.from_dict({**QWEN3_06B, "quantization_config": qc}).quantization
-        assert gptq == QuantizationConfig("gptq", 4, -1, zero_offset=offset) and gptq.group_for(96) == 96
+        assert gptq == QuantizationConfig("gptq", 4, -1, zero_offset=offset, desc_act=True) and gptq.group_for(96) == 96
     for change, match in (({"group_size": 0}, "group_size=0"), ({"version": "gemv"}, "version='gemv'"),
                           ({"zero_point": False}, "zero_point=false")):
         with pytest.raises(ConfigError, match=match):
