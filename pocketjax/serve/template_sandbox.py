@@ -154,8 +154,30 @@ BINOPS: dict[str, Callable[[Any, Any], Any]] = {"*": operator.mul, "**": operato
                                                  "+": operator.add}
 
 
+class _BoundedBuffer(list):
+    """A block's output pieces (captures, macro bodies), counted as they come: a capture stops at the size limit
+    when it reaches it, not at the deadline, so its memory does not follow the interpreter's speed."""
+
+    size = 0
+
+    def append(self, piece: Any) -> None:
+        self.size += len(piece) if isinstance(piece, str) else 0
+        budget = _budget()
+        if budget is not None and self.size > budget.limits.max_chars:
+            raise _too_big("a captured block", self.size, budget.limits.max_chars)
+        super().append(piece)
+
+    def extend(self, pieces: Any) -> None:
+        for piece in pieces:
+            self.append(piece)
+
+
 class _BoundedCodeGenerator(CodeGenerator):
-    """Jinja's code generator with every `~` join passed through `checked`."""
+    """Jinja's code generator with every `~` join passed through `checked` and block buffers counted as they fill."""
+
+    def buffer(self, frame: Any) -> None:
+        frame.buffer = self.temporary_identifier()
+        self.writeline(f"{frame.buffer} = environment.bounded_buffer()")
 
     def visit_Concat(self, node: Any, frame: Any) -> None:  # noqa: N802 - Jinja's visitor naming
         self.write("environment.checked(")
@@ -191,6 +213,10 @@ class BoundedSandboxedEnvironment(ImmutableSandboxedEnvironment):
     @staticmethod
     def checked(value: Any) -> Any:
         return checked(value)
+
+    @staticmethod
+    def bounded_buffer() -> _BoundedBuffer:
+        return _BoundedBuffer()
 
     @staticmethod
     def concat(pieces: Any) -> str:  # block captures, macro bodies: joined only if the sum fits
