@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+import json
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,58 @@ OFF = "off"  # compile_cache_dir (or POCKETJAX_COMPILE_CACHE_DIR) that keeps com
 log = logging.getLogger("pocketjax")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding with prompt-lookup drafts (vLLM's `speculative_config` spelling): propose up to
+    `num_speculative_tokens` tokens that followed the most recent earlier occurrence of the context's last n tokens
+    (n from `prompt_lookup_max` down to `prompt_lookup_min`), and verify them in one step (docs/speculative-decoding.md).
+
+    Per engine, not per request: k fixes the verify step's compiled width, so one value keeps one set of programs.
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+
+    @classmethod
+    def of(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None) -> SpeculativeConfig | None:
+        """None, a SpeculativeConfig, a dict of its fields, or that dict as JSON (the CLI's --speculative-config);
+        ConfigError naming unknown keys or a bad value."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"speculative config is not JSON: {error}") from None
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"speculative must be None, a SpeculativeConfig or a dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"unknown speculative option(s) {', '.join(map(str, unknown))} "
+                              f"(known: {', '.join(sorted(known))})")
+        config = cls(**value)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"speculative {name} must be a positive integer, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(f"speculative prompt_lookup_min {self.prompt_lookup_min} is above prompt_lookup_max "
+                              f"{self.prompt_lookup_max}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How an Engine sizes its cache and its compiled shapes (every bucket derives from these numbers)."""
@@ -47,6 +100,11 @@ class EngineConfig:
     # ($XDG_CACHE_HOME/pocketjax/xla, else ~/.cache/pocketjax/xla) unless JAX's own cache folder is already set;
     # "off": none anywhere (JAX's setting is left alone).
     compile_cache_dir: str | None = None
+    # speculative decoding: None (off), or a SpeculativeConfig / a dict of its fields / that dict as JSON
+    speculative: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
 
     @classmethod
     def of(cls, config: EngineConfig | None = None, *, environ: Mapping[str, str] | None = None,

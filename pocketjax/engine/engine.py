@@ -24,12 +24,14 @@ from ..model.layers import resolve_impl
 from ..model.memory import check_fits, plan_memory
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
-from .plan import (DecodePlan, SamplePlan, Signature, StepRules, decode_after, decode_from_host, empty_plan,
-                   prefill_plans, scored_positions)
+from .plan import (DecodePlan, SamplePlan, Signature, StepRules, VerifyPlan, VerifySamplePlan, decode_after,
+                   decode_from_host, empty_plan, prefill_plans, scored_positions, verify_plans)
 from .request import BatchedRequest, RequestStatus
 from .sampling import SampleOutput, SamplingParams
 from .slots import SlotTable
-from .steps import Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step
+from .speculative import Speculator
+from .steps import (Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step, verify_sample_step,
+                    verify_step)
 from .warmup import compiled_count, warmup as warm_up
 
 
@@ -60,6 +62,23 @@ class PendingDecode:
         """True when every unfinished request has a row here, so a next step can read its input tokens on device."""
         held = {id(r) for r in self.rows if r is not None}
         return all(id(r) in held for r in requests if not r.finished)
+
+
+@dataclass(eq=False)
+class PendingVerify:
+    """A dispatched speculative verify step (`Engine.verify_dispatch`), read by `Engine.verify_collect`."""
+
+    requests: list[BatchedRequest]  # as given to verify_dispatch: the order of verify_collect's result
+    rows: list[BatchedRequest | None]
+    plan: VerifyPlan
+    sample: VerifySamplePlan
+    out: SampleOutput | None = None  # [rows, width] per field; None once collected
+    accepted: Any = None  # int32 [rows] on device: drafts each row accepted
+    results: list[list[int] | None] | None = None  # set by verify_collect
+
+    @property
+    def collected(self) -> bool:
+        return self.results is not None
 
 
 def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
@@ -108,6 +127,8 @@ class Engine:
         self.requests: dict[Any, BatchedRequest] = {}  # request_id -> the request prefilled in its slot
         # hooks whose output shape was checked (`_check_hook`); held as the step functions' compile caches hold them
         self.checked_hooks: set[Hook] = set()
+        spec = self.config.speculative
+        self.speculator = Speculator(spec) if spec is not None else None  # None: no speculative decoding
         self.allocate_batch_slots(self.config.max_batch_size)
 
     # ---- slots -------------------------------------------------------------------------------------------------
@@ -130,8 +151,9 @@ class Engine:
     def rules(self) -> StepRules:
         """How this engine buckets its step calls (`plan.StepRules`): what warm-up and benchmarks plan with."""
         cfg = self.config
+        width = cfg.speculative.num_speculative_tokens + 1 if cfg.speculative is not None else 0
         return StepRules(self.num_slots, cfg.max_seq_len, cfg.prefill_chunk, cfg.min_prefill_bucket,
-                         cfg.min_kv_bucket, self.impl, self.model.config.vocab_size)
+                         cfg.min_kv_bucket, self.impl, self.model.config.vocab_size, width)
 
     def allocate_batch_slots(self, n: int) -> None:
         """(Re)allocate the KV cache with n slots; refused while any slot is held."""
@@ -189,6 +211,8 @@ class Engine:
         """Release a request's slot: the one release signal. An unfinished request ends with `finish_reason`, and
         its rows in decode steps still in flight are dropped. The slot's cached tokens stay reusable."""
         self.slots.release(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         req = self.requests.pop(request_id, None)
         if req is not None:
             req.finish(finish_reason)
@@ -396,23 +420,114 @@ class Engine:
             r.in_flight += 1
         return step
 
+    # ---- speculative decoding (EngineConfig.speculative) ----------------------------------------------------------
+    def draft(self, requests: Sequence[BatchedRequest], due: Sequence[bool] | None = None) -> list[list[int]]:
+        """Each request's prompt-lookup draft for its next verify step ([] when it has none, is backing off, or the
+        engine does not speculate). `due`: `speculator.due(requests)` when the caller already asked (it counts each
+        request's backoff down once per step)."""
+        if self.speculator is None:
+            return [[] for _ in requests]
+        due = self.speculator.due(requests) if due is None else due
+        drafts = []
+        for req, on in zip(requests, due):
+            if not on or req.status is not RequestStatus.DECODING:
+                drafts.append([])
+                continue
+            start = len(self.slots.tokens[req.slot_id])  # where the last token goes; the draft follows it
+            room = min(req.sampling.max_tokens - len(req.generated_tokens) - 1, self.max_seq_len - 1 - start)
+            drafts.append(self.speculator.propose(req, room))
+        return drafts
+
+    def verify_dispatch(self, requests: Sequence[BatchedRequest], drafts: Sequence[Sequence[int]]) -> PendingVerify:
+        """Queue one verify step: every unfinished request runs its last token and its draft (`drafts[i]`, may be
+        empty: a plain decode row) and gets 1 to len(draft) + 1 tokens at `verify_collect`. Fed from the host, so
+        every earlier step of these requests must be collected."""
+        if self.speculator is None:
+            raise RequestError("this engine does not speculate: create it with speculative=dict(method='ngram', ...)")
+        if len(drafts) != len(requests):
+            raise RequestError(f"verify_dispatch: {len(requests)} requests but {len(drafts)} drafts")
+        pairs = [(r, list(d)) for r, d in zip(batch(requests), drafts) if not r.finished]
+        for req, d in pairs:
+            self._slot(req)
+            if req.status is not RequestStatus.DECODING:
+                raise RequestError(f"request {req.request_id!r} must be prefilled before decoding")
+            if req.in_flight:
+                raise RequestError(f"request {req.request_id!r} has a decode step in flight: collect it first")
+            if len(d) > self.speculator.k or not all(isinstance(t, (int, np.integer)) for t in d):
+                raise RequestError(f"request {req.request_id!r}: a draft is at most {self.speculator.k} token ids")
+        step = PendingVerify(list(requests), [], None, None)
+        if not pairs:
+            return step
+        step.rows, step.plan, step.sample = verify_plans(self.rules, [r for r, _ in pairs], [d for _, d in pairs],
+                                                         lambda slot: len(self.slots.tokens[slot]))
+        self.cache, logits = verify_step(self.model.params, self.cache, step.plan, config=self.model.config,
+                                         impl=self.impl)
+        self.penalties, step.out, step.accepted = verify_sample_step(self.penalties, logits, step.sample)
+        for req, _ in pairs:
+            req.in_flight += 1
+        return step
+
+    def verify_collect(self, step: PendingVerify) -> list[list[int] | None]:
+        """Read a verify step (one host sync): each request gets its accepted drafts and the token after them, cut at
+        a stop token or its length; returns each request's new tokens (None: finished before, or freed since)."""
+        if step.collected:
+            return step.results
+        present = [(i, r) for i, r in enumerate(step.rows) if r is not None]
+        for _, r in present:
+            r.in_flight -= 1
+        step.results = [None] * len(step.requests)
+        if not present:
+            return step.results
+        out, accepted = to_host((step.out, step.accepted))
+        fed, drafted = np.asarray(step.plan.tokens), np.asarray(step.sample.num_drafts)
+        results: dict[int, list[int]] = {}
+        for i, req in present:
+            if req.finished:  # freed or ended since the dispatch: its row is discarded
+                continue
+            n = int(accepted[i])
+            self.speculator.record(req, int(drafted[i]), n)
+            new = results[id(req)] = []
+            for j in range(n + 1):
+                new.append(self._append_token(req, out, (i, j)))
+                if req.finished:
+                    break
+            # the K/V kept: the fed last token and the accepted drafts before the final token (the rest is never read)
+            self.slots.tokens[req.slot_id].extend(int(t) for t in fed[i, :len(new)])
+        step.results, step.out, step.accepted = [results.get(id(r)) for r in step.requests], None, None
+        return step.results
+
+    def batch_speculative_step(self, requests: Sequence[BatchedRequest]) -> list[list[int] | None]:
+        """One device call that drafts and verifies every unfinished request (a plain decode step when none has a
+        draft); each request's new tokens (1 or more), None for the others."""
+        running = [r for r in batch(requests) if not r.finished]
+        drafts = self.draft(running)
+        if not any(drafts):
+            return [None if t is None else [t] for t in self.batch_decode_step(requests)]
+        by_id = {id(r): new for r, new in zip(running, self.verify_collect(self.verify_dispatch(running, drafts)))}
+        return [by_id.get(id(r)) for r in requests]
+
     # ---- shared --------------------------------------------------------------------------------------------------
     def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
         """Move sampled tokens to the host (one transfer) and append them to their requests; end finished ones."""
         out = to_host(out)
         for i, req in rows:
-            token = int(out.tokens[i])
-            req.logprobs.append(logprob_entry(out, i, req.sampling.logprobs))
-            req.generated_tokens.append(token)
-            req.last_token = token
-            results[id(req)] = token
-            sp = req.sampling
-            if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
-                req.finish("stop")
-            elif self._reaches_length(req, len(req.generated_tokens)):
-                req.finish("length")
-            else:
-                req.status = RequestStatus.DECODING
+            results[id(req)] = self._append_token(req, out, i)
+
+    def _append_token(self, req: BatchedRequest, out: SampleOutput, index: int | tuple[int, int]) -> int:
+        """Append the token at `index` of host `out` (with its logprobs) to req; end req on a stop token or its
+        length. Returns the token."""
+        token = int(out.tokens[index])
+        req.logprobs.append(logprob_entry(out, index, req.sampling.logprobs))
+        req.generated_tokens.append(token)
+        req.last_token = token
+        sp = req.sampling
+        if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
+            req.finish("stop")
+        elif self._reaches_length(req, len(req.generated_tokens)):
+            req.finish("length")
+        else:
+            req.status = RequestStatus.DECODING
+        return token
 
     def _reaches_length(self, req: BatchedRequest, generated: int) -> bool:
         """True when `generated` tokens end req by length: max_tokens, or the cache's last position."""
@@ -442,8 +557,14 @@ class Engine:
             return sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
         if signature.step == "copy_prefix":
             return copy_slot_prefix.lower(self.cache, np.int32(0), np.int32(0), np.int32(0))
+        if signature.step == "verify":
+            return verify_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
+        if signature.step == "sample_verify":
+            c = self.model.config
+            logits = jax.ShapeDtypeStruct((signature.rows, signature.width, c.vocab_size), jnp.float32)
+            return verify_sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
         raise RequestError(f"no step {signature.step!r} (a plan.Signature names prefill, prefill_scored, decode, "
-                           f"decode_fed, sample_first, sample_next or copy_prefix)")
+                           f"decode_fed, sample_first, sample_next, copy_prefix, verify or sample_verify)")
 
     def compiled_count(self) -> int:
         """How many call signatures the step functions hold so far (a steady workload must not add any).

@@ -46,6 +46,7 @@ class StepRules:
     min_kv_bucket: int
     impl: str  # resolved attention implementation
     vocab_size: int
+    verify_width: int = 0  # positions per row of a speculative verify step (k + 1); 0: the engine never verifies
 
     def rows(self, n: int) -> int:
         """Rows of a step over n requests."""
@@ -140,6 +141,42 @@ class SamplePlan:
     @property
     def first(self) -> bool:
         return self.prompt_masks is not None
+
+
+@_pytree
+@dataclass(frozen=True)
+class VerifyPlan:
+    """Speculative verification: row b feeds its last token and `lengths[b] - 1` draft tokens at `starts[b]..` of
+    slot `slots[b]` (the slot's cached length), and gets the logits at every position. The K/V written past what
+    the row accepts stay invisible: the slot's cached length advances by the accepted count only, and attention
+    reads keys up to each query's position. Rows without a draft have length 1 (a decode in the same call)."""
+
+    tokens: Any  # int32 [rows, verify_width]
+    slots: Any  # int32 [rows]
+    starts: Any  # int32 [rows]
+    lengths: Any  # int32 [rows]: 1 + draft length; 0 for padding rows
+    selector: Any = None  # as PrefillPlan.selector
+    kv_len: int = static(0)
+    hooks: tuple = static(())
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+
+@_pytree
+@dataclass(frozen=True)
+class VerifySamplePlan:
+    """The sampler over a verify step's positions: position j of row b draws the token the request would draw at
+    step `steps[b] + j` after the drafts before j, so accepting drafts while they equal what is drawn is exact."""
+
+    slots: Any  # int32 [rows]
+    rows_on: Any  # bool [rows]: active rows (their slot's penalty counts are updated with the accepted tokens)
+    steps: Any  # int32 [rows]: index of the token each row's first position generates
+    sampling: SamplingArrays
+    drafts: Any  # int32 [rows, verify_width - 1]
+    num_drafts: Any  # int32 [rows]
+    num_top: int = static(0)
 
 
 # ---- from requests -----------------------------------------------------------------------------------------------
@@ -242,6 +279,27 @@ def decode_from_host(rules: StepRules, running: Sequence[BatchedRequest], cached
     return (rows, *decode_plans(rules, rows, dense, tokens, positions, steps))
 
 
+def verify_plans(rules: StepRules, running: Sequence[BatchedRequest], drafts: Sequence[Sequence[int]],
+                 cached: Callable[[int], int]) -> tuple[list[BatchedRequest | None], VerifyPlan, VerifySamplePlan]:
+    """A verify step over `running`, each fed its last token then its draft (up to verify_width - 1 tokens, may be
+    empty) at its slot's next positions (`cached(slot)`: the slot's cached token count), and its sampler."""
+    n = len(running)
+    rows, width = rules.rows(n), rules.verify_width
+    tokens, draft = np.zeros((rows, width), np.int32), np.zeros((rows, width - 1), np.int32)
+    slots, starts, lengths, steps, counts = (np.zeros(rows, np.int32) for _ in range(5))
+    for i, (req, d) in enumerate(zip(running, drafts)):
+        tokens[i, 0], tokens[i, 1: 1 + len(d)], draft[i, :len(d)] = req.last_token, d, d
+        slots[i], starts[i], lengths[i] = req.slot_id, cached(req.slot_id), 1 + len(d)
+        steps[i], counts[i] = len(req.generated_tokens), len(d)
+    padded = list(running) + [None] * (rows - n)
+    selector, hooks = row_selector(padded)
+    plan = VerifyPlan(tokens, slots, starts, lengths, selector, kv_len=rules.kv_len(int((starts + lengths).max())),
+                      hooks=hooks)
+    sampling = pack_sampling([r.sampling for r in running], [r.seed for r in running], pad_to=rows)
+    return padded, plan, VerifySamplePlan(slots, lengths > 0, steps, sampling, draft, counts,
+                                          num_top=top_count(padded))
+
+
 def decode_at(rules: StepRules, positions: Sequence[int], step: int, tokens: Any = None
               ) -> tuple[DecodePlan, SamplePlan]:
     """The greedy decode step the engine would run for requests in slots 0..n-1 whose next tokens go at `positions`
@@ -275,9 +333,9 @@ class Signature(NamedTuple):
     """One step call shape: `step` over `rows` rows (0: not a batch); the other fields where the step has them."""
 
     step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode, decode_fed (input tokens on device),
-    # sample_next, copy_prefix
+    # sample_next, copy_prefix, verify (speculative: every position's logits), sample_verify
     rows: int = 0
-    width: int = 0  # prefill chunk bucket
+    width: int = 0  # prefill chunk bucket (verify: its width, k + 1)
     kv_len: int = 0  # attention length bucket
     num_top: int = 0  # top logprobs the sampler returns
 
@@ -303,12 +361,17 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False) -> list[Signatur
         calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
         calls += [Signature("sample_next", r, num_top=t) for t in tops]
         calls += [Signature("decode_fed", r, kv_len=k) for k in kv_lens]
+        if rules.verify_width:
+            w = rules.verify_width
+            calls += [Signature("verify", r, w, k) for k in kv_lens]
+            calls += [Signature("sample_verify", r, w, num_top=t) for t in tops]
     if rules.num_slots > 1:  # a prefix is copied from another slot only
         calls.append(Signature("copy_prefix"))
     return calls
 
 
-def empty_plan(rules: StepRules, call: Signature, tokens: Any = None) -> PrefillPlan | DecodePlan | SamplePlan:
+def empty_plan(rules: StepRules, call: Signature, tokens: Any = None
+               ) -> PrefillPlan | DecodePlan | SamplePlan | VerifyPlan | VerifySamplePlan:
     """A plan of `call`'s shape that writes nothing: zero-length chunks, inactive rows, rows that end no prompt
     (slot state untouched); "decode_fed" takes its input `tokens` (a sampler's, on device) as the engine does."""
     r = call.rows
@@ -328,4 +391,10 @@ def empty_plan(rules: StepRules, call: Signature, tokens: Any = None) -> Prefill
         sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
         masks = np.zeros((r, rules.vocab_size), bool) if call.step == "sample_first" else None
         return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, num_top=call.num_top)
+    if call.step == "verify":
+        return VerifyPlan(np.zeros((r, call.width), np.int32), zeros, zeros, zeros, kv_len=call.kv_len)
+    if call.step == "sample_verify":
+        sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
+        return VerifySamplePlan(zeros, np.zeros(r, bool), zeros, sampling, np.zeros((r, call.width - 1), np.int32),
+                                zeros, num_top=call.num_top)
     raise ValueError(f"no plan for step {call.step!r}")

@@ -18,7 +18,7 @@ from jax import lax
 from ..model.config import ModelConfig
 from ..model.decoder import Hook, Params, decode_forward, lm_head, prefill_forward
 from ..model.kv_cache import KVCache, copy_prefix
-from .plan import DecodePlan, PrefillPlan, SamplePlan
+from .plan import DecodePlan, PrefillPlan, SamplePlan, VerifyPlan, VerifySamplePlan
 from .sampling import SampleOutput, sample, token_logprobs
 
 
@@ -137,4 +137,51 @@ def copy_slot_prefix(cache: KVCache, src, dst, length) -> KVCache:
     return copy_prefix(cache, src, dst, length)
 
 
-STEP_FUNCTIONS = (prefill_step, decode_step, sample_step, copy_slot_prefix)
+@partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
+def verify_step(params, cache: KVCache, plan: VerifyPlan, *, config: ModelConfig, impl: str
+                ) -> tuple[KVCache, jax.Array]:
+    """Write each row's last token and draft after its cached tokens (the prefill path: a chunk after a prefix);
+    float32 logits [rows, verify_width, vocab] at every position (positions past a row's length are garbage)."""
+    cache, _, hidden = prefill_forward(params, config, impl, plan.kv_len, cache, plan.tokens, plan.slots,
+                                       plan.starts, plan.lengths, return_hidden=True,
+                                       hook=row_hooks(plan.hooks, plan.selector))
+    return cache, lm_head(params, hidden)
+
+
+@partial(jax.jit, donate_argnames=("penalties",))
+def verify_sample_step(penalties: Penalties, logits: jax.Array, plan: VerifySamplePlan
+                       ) -> tuple[Penalties, SampleOutput, jax.Array]:
+    """The target's token at every verify position, how many drafts each row accepts, and the penalty counts of
+    the accepted tokens.
+
+    Position j of row b is sampled exactly as non-speculative decoding would sample the request's token number
+    `steps[b] + j` had the drafts before j been generated: the same random stream (seed, step index) and penalty
+    counts including drafts[:j]. Drafts are accepted while they equal the drawn token; the drawn token at the first
+    mismatch (or after the last draft) is the bonus. With a one-hot draft this is speculative rejection sampling
+    (P(accept t) = p(t); on rejection the token is distributed as p without t), and the output is token for token
+    what non-speculative decoding draws. Returns the outputs [rows, width] and accepted [rows] (0..num_drafts).
+    """
+    rows, width, vocab = logits.shape
+    k = width - 1
+    before = jnp.arange(width)[:, None] > jnp.arange(k)[None, :]  # [width, k]: draft i precedes position j
+    counted = before[None] & (jnp.arange(k) < plan.num_drafts[:, None])[:, None, :]  # [rows, width, k]
+    extra = jnp.zeros((rows, width, vocab), jnp.int32).at[
+        jnp.arange(rows)[:, None, None], jnp.arange(width)[None, :, None], plan.drafts[:, None, :]
+    ].add(counted.astype(jnp.int32))
+    counts = penalties.output_counts[plan.slots][:, None] + extra
+    flat = lambda x: x.reshape(rows * width, *x.shape[2:])  # noqa: E731
+    repeat = lambda x: jnp.repeat(x, width, axis=0)  # noqa: E731
+    arrays = jax.tree_util.tree_map(repeat, plan.sampling)
+    steps = (plan.steps[:, None] + jnp.arange(width)[None, :]).reshape(-1)
+    out = sample(flat(logits), arrays, repeat(penalties.prompt_mask[plan.slots]), flat(counts), steps,
+                 num_top=plan.num_top)
+    out = jax.tree_util.tree_map(lambda x: x.reshape(rows, width, *x.shape[1:]), out)
+    agree = (out.tokens[:, :k] == plan.drafts) & (jnp.arange(k)[None, :] < plan.num_drafts[:, None])
+    accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
+    kept = (jnp.arange(width)[None, :] <= accepted[:, None]) & plan.rows_on[:, None]
+    slots = jnp.where(plan.rows_on, plan.slots, penalties.num_slots)
+    new_counts = penalties.output_counts.at[slots[:, None], out.tokens].add(kept.astype(jnp.int32), mode="drop")
+    return Penalties(penalties.prompt_mask, new_counts), out, accepted
+
+
+STEP_FUNCTIONS = (prefill_step, decode_step, sample_step, copy_slot_prefix, verify_step, verify_sample_step)

@@ -16,7 +16,8 @@ from ..model.config import ModelConfig
 from ..model.decoder import Params
 from ..model.kv_cache import KVCache
 from .plan import StepRules, empty_plan, signatures
-from .steps import STEP_FUNCTIONS, Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step
+from .steps import (STEP_FUNCTIONS, Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step,
+                    verify_sample_step, verify_step)
 
 
 def compiled_count() -> int:
@@ -35,6 +36,7 @@ def warmup(params: Params, cache: KVCache, penalties: Penalties, *, config: Mode
     """
     before = compiled_count()
     logits, tokens = {}, {}  # rows -> the latest forward step's logits, the latest sampled tokens (on device)
+    verified = {}  # rows -> the latest verify step's logits
     calls = signatures(rules, prompt_logprobs)
     if calls:  # the first forward and sampler calls see the cache and penalties as allocated, and a step may return
         # them in another form (on a mesh, the penalties come back replicated over it): run both again in that form
@@ -48,6 +50,10 @@ def warmup(params: Params, cache: KVCache, penalties: Penalties, *, config: Mode
         elif call.step in ("decode", "decode_fed"):
             fed = tokens[call.rows] if call.step == "decode_fed" else None
             cache, logits[call.rows] = decode_step(params, cache, empty_plan(rules, call, fed), **step)
+        elif call.step == "verify":
+            cache, verified[call.rows] = verify_step(params, cache, empty_plan(rules, call), **step)
+        elif call.step == "sample_verify":
+            penalties, _, _ = verify_sample_step(penalties, verified[call.rows], empty_plan(rules, call))
         elif call.step == "copy_prefix":
             length = np.int32(cache.lengths[0])  # slot 0 onto itself, its own length: nothing changes
             cache = copy_slot_prefix(cache, np.int32(0), np.int32(0), length)

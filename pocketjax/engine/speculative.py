@@ -1,0 +1,154 @@
+"""Speculative decoding, host side: prompt-lookup (n-gram) drafts per request, and when to try them.
+
+A request's context is its prompt plus what it generated. The drafter proposes the tokens that followed the most
+recent earlier occurrence of the context's last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`),
+up to k of them; the engine's verify step (`plan.VerifyPlan`, `steps.verify_step`) checks them in one call and
+keeps the prefix the target model agrees with (`steps.verify_sample_step`: exact for greedy and seeded sampling).
+
+`NgramIndex` keeps, for each n, a dict from n-gram to where it last ended, extended by the tokens appended since the
+previous lookup: a step costs O(new tokens x n-gram sizes), never a rescan of a 4k-token context.
+
+`Backoff` makes a request whose drafts keep failing (no match, or nothing accepted) try less often: after m misses
+in a row it skips the next min(2**m - 1, MAX_SKIP) steps (MISS_SKIP when the lookup found nothing: that costs no
+verify). A step where no request tries runs the plain pipelined decode, so free generation pays for a rejected
+verify (k + 1 positions) only about once every MAX_SKIP + 1 steps.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import SpeculativeConfig
+from .request import BatchedRequest
+
+MAX_SKIP = 16  # most steps a request waits before it drafts again, after drafts that were all rejected
+MISS_SKIP = 2  # most after lookups that found nothing (cheap: they cost no verify, only the step's pipelining)
+
+
+class NgramIndex:
+    """Most recent end position of every n-gram (n in [n_min, n_max]) of a growing token list, built incrementally."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.sizes = range(n_max, n_min - 1, -1)  # longest first: a longer match is a better predictor
+        self.ends: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.sizes}
+        self.indexed = 0  # n-grams ending before this position are in `ends`
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest suffix of `tokens` (which
+        only grows between calls) matching one; [] when none does."""
+        last = len(tokens) - 1
+        for end in range(self.indexed, last):  # every n-gram ending before the suffix itself
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self.ends[n][tuple(tokens[end + 1 - n: end + 1])] = end
+        self.indexed = max(self.indexed, last)
+        for n in self.sizes:
+            if last + 1 < n:
+                continue
+            end = self.ends[n].get(tuple(tokens[last + 1 - n:]))
+            if end is not None:
+                return periodic(tokens, end, k)
+        return []
+
+
+def periodic(tokens: Sequence[int], end: int, k: int) -> list[int]:
+    """The k tokens after `tokens` if what followed position `end` (where the suffix also ends) repeats: tokens
+    after end, then, past the context's end, the draft itself with period len(tokens) - 1 - end. A loop of period 1
+    ("a a a") thus drafts k tokens, not the one token left after its most recent occurrence."""
+    period = len(tokens) - 1 - end
+    draft = list(tokens[end + 1: end + 1 + k])
+    while len(draft) < k:
+        draft.append(draft[len(draft) - period])
+    return draft
+
+
+@dataclass
+class Backoff:
+    """When a request drafts: every step while drafts pay, exponentially less often while they do not."""
+
+    misses: int = 0  # consecutive tries that found no draft or had none of it accepted
+    skip: int = 0  # steps left before the next try
+
+    def due(self) -> bool:
+        """Whether this step tries a draft; a step it skips counts down (call once per decode step)."""
+        if self.skip:
+            self.skip -= 1
+            return False
+        return True
+
+    def record(self, accepted: int, cap: int = MAX_SKIP) -> None:
+        """A try that accepted `accepted` draft tokens (0 also for a lookup that found none: then `cap` is
+        MISS_SKIP)."""
+        if accepted > 0:
+            self.misses = 0
+        else:
+            self.misses += 1
+            self.skip = min(2 ** self.misses - 1, cap)
+
+
+@dataclass
+class DraftState:
+    """One request's drafter: its n-gram index, its backoff, its acceptance counts (for metrics and benchmarks)."""
+
+    index: NgramIndex
+    tokens: list[int]  # the context so far (prompt + generated), extended by what is new at each lookup
+    backoff: Backoff = field(default_factory=Backoff)
+    proposed: int = 0  # draft tokens verified
+    accepted: int = 0  # of those, accepted
+
+
+def drafts_nothing(req: BatchedRequest) -> bool:
+    """Requests that never draft: structured outputs (their tokens are constrained by a mask the verify step does
+    not apply)."""
+    return getattr(req.sampling, "structured", None) is not None
+
+
+class Speculator:
+    """Per engine: the speculative config and every running request's drafter (keyed by request id)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.states: dict[Any, tuple[BatchedRequest, DraftState]] = {}
+
+    @property
+    def k(self) -> int:
+        return self.config.num_speculative_tokens
+
+    def state(self, req: BatchedRequest) -> DraftState:
+        held = self.states.get(req.request_id)
+        if held is None or held[0] is not req:  # a new request under a reused id starts over
+            index = NgramIndex(self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+            held = self.states[req.request_id] = (req, DraftState(index, list(req.prompt_tokens)))
+        return held[1]
+
+    def forget(self, request_id: Any) -> None:
+        self.states.pop(request_id, None)
+
+    def due(self, requests: Sequence[BatchedRequest]) -> list[bool]:
+        """Which requests try a draft this step (counts the backoff down: once per decode step). None while any
+        structured-output request runs: the verify step has no token mask, so such a batch decodes plainly."""
+        if any(drafts_nothing(r) for r in requests if not r.finished):
+            return [False] * len(requests)
+        return [not r.finished and not drafts_nothing(r) and self.state(r).backoff.due() for r in requests]
+
+    def propose(self, req: BatchedRequest, room: int) -> list[int]:
+        """req's draft: at most min(k, room) tokens (room: how many more tokens it may still generate after the
+        next one, and cache positions allow); [] (a miss) when the lookup finds none."""
+        state = self.state(req)
+        state.tokens += req.generated_tokens[len(state.tokens) - len(req.prompt_tokens):]
+        draft = state.index.propose(state.tokens, min(self.k, room)) if room > 0 else []
+        if not draft:
+            state.backoff.record(0, MISS_SKIP)
+        return draft
+
+    def record(self, req: BatchedRequest, proposed: int, accepted: int) -> None:
+        """A verified draft of `proposed` tokens of which `accepted` were kept."""
+        state = self.state(req)
+        state.proposed += proposed
+        state.accepted += accepted
+        state.backoff.record(accepted)
+
+    def acceptance(self) -> tuple[int, int]:
+        """(accepted, proposed) draft tokens over the requests still tracked."""
+        return (sum(s.accepted for _, s in self.states.values()), sum(s.proposed for _, s in self.states.values()))
