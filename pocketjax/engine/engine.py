@@ -485,7 +485,8 @@ class Engine:
             if req.finished:  # freed or ended since the dispatch: its row is discarded
                 continue
             n = int(accepted[i])
-            self.speculator.record(req, int(drafted[i]), n)
+            if drafted[i]:  # (a row without a draft counted its lookup's miss when it drafted nothing)
+                self.speculator.record(req, int(drafted[i]), n)
             new = results[id(req)] = []
             for j in range(n + 1):
                 new.append(self._append_token(req, out, (i, j)))

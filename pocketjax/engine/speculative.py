@@ -15,6 +15,7 @@ verify (k + 1 positions) only about once every MAX_SKIP + 1 steps.
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,8 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig):
         self.config = config
         self.states: dict[Any, tuple[BatchedRequest, DraftState]] = {}
+        self.total_proposed = self.total_accepted = 0  # draft tokens verified, and accepted, over the engine's life
+        self.histogram: Counter[int] = Counter()  # accepted drafts per verified row -> how often
 
     @property
     def k(self) -> int:
@@ -147,8 +150,12 @@ class Speculator:
         state = self.state(req)
         state.proposed += proposed
         state.accepted += accepted
+        self.total_proposed += proposed
+        self.total_accepted += accepted
+        self.histogram[accepted] += 1
         state.backoff.record(accepted)
 
-    def acceptance(self) -> tuple[int, int]:
-        """(accepted, proposed) draft tokens over the requests still tracked."""
-        return (sum(s.accepted for _, s in self.states.values()), sum(s.proposed for _, s in self.states.values()))
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens over the engine's life (0 before any)."""
+        return self.total_accepted / self.total_proposed if self.total_proposed else 0.0

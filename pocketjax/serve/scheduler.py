@@ -29,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine.engine import Engine, PendingDecode
+from ..engine.engine import Engine, PendingDecode, PendingVerify
 from ..engine.request import BatchedRequest, RequestStatus
 from ..engine.sampling import SamplingParams
 from ..engine.slots import hashable
@@ -134,7 +134,9 @@ class Scheduler:
         decoding = [h for h in batch if h.request.status is RequestStatus.DECODING]
         self._run(prefilling, self.engine.batch_prefill, [h.request for h in prefilling],
                   token_budget=self.prefill_token_budget, alone=self._prefill_alone)
-        if self.pipeline:
+        if self.engine.speculator is not None:
+            self._decode_speculative(decoding)
+        elif self.pipeline:
             self._decode_pipelined(decoding)
         else:
             self._run(decoding, self.engine.batch_decode_step, [h.request for h in decoding], alone=self._decode_alone)
@@ -305,6 +307,41 @@ class Scheduler:
             self._hand_out(handles)
         if following is not None and self._run(handles, self.engine.decode_collect, pending) is not None:
             self._pending = following
+
+    def _decode_speculative(self, handles: list[RequestHandle]) -> None:
+        """Speculative decoding (EngineConfig.speculative): a step where some request tries a draft reads the step in
+        flight first (a draft needs its tokens), drafts on the host, queues ONE verify step (rows without a draft
+        decode in it), then hands out the tokens read while the device runs it; a step where no request tries
+        (all backing off, `speculative.Backoff`) is the plain pipelined decode."""
+        requests = [h.request for h in handles]
+        due = self.engine.speculator.due(requests)
+        pending = self._pending
+        if not any(due) and not isinstance(pending, PendingVerify):
+            if self.pipeline:
+                self._decode_pipelined(handles)
+            else:
+                self._run(handles, self.engine.batch_decode_step, requests, alone=self._decode_alone)
+            return
+        self._pending = None
+        if pending is not None:
+            collect = self.engine.verify_collect if isinstance(pending, PendingVerify) else self.engine.decode_collect
+            self._run(handles, collect, pending)
+        if all(r.finished for r in requests):
+            return
+        drafts = self.engine.draft(requests, due)
+        if any(drafts):
+            step = self._run(handles, self.engine.verify_dispatch, requests, drafts, alone=self._speculate_alone)
+        else:
+            step = self._run(handles, self.engine.decode_dispatch, requests, alone=self._decode_alone)
+        if not self.pipeline and step is not None:
+            collect = self.engine.verify_collect if isinstance(step, PendingVerify) else self.engine.decode_collect
+            self._run(handles, collect, step)
+            return
+        self._hand_out(handles)  # what the collected step brought, while the device runs the new one
+        self._pending = step
+
+    def _speculate_alone(self, handle: RequestHandle) -> None:
+        self.engine.batch_speculative_step([handle.request])
 
     def _hand_out(self, handles: list[RequestHandle]) -> None:
         """Deliver the new tokens of each handle's request."""

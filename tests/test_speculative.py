@@ -1,0 +1,324 @@
+"""Speculative decoding (prompt-lookup drafts): token-for-token identical to plain decoding (greedy and seeded),
+the same distribution when unseeded (chi-square, with a wrong acceptance rule that must fail it), the drafter
+against a brute-force search, the scheduler and LLM paths, warm-up."""
+from collections import Counter
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+import pocketjax as pj
+from pocketjax.engine import engine as engine_module
+from pocketjax.engine.config import EngineConfig, SpeculativeConfig
+from pocketjax.engine.engine import Engine
+from pocketjax.engine.request import BatchedRequest
+from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.speculative import MAX_SKIP, Backoff, NgramIndex
+from pocketjax.errors import ConfigError, RequestError
+from pocketjax.serve.scheduler import Scheduler
+
+SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+SIZES = dict(max_batch_size=2, max_seq_len=128, prefill_chunk=32)  # few shapes: rows 1 and 2, one kv bucket
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(hf_checkpoint):
+    return pj.load_model(hf_checkpoint("qwen3_gqa4_headdim"))
+
+
+@pytest.fixture(scope="module")
+def engines(model):
+    """(plain, speculative) engines of the same sizes: their prefill and decode programs are shared."""
+    return Engine(model, **SIZES), Engine(model, **SIZES, speculative=SPEC)
+
+
+def prompts(seed: int, lengths, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+
+
+def run(engine: Engine, prompt_list, params, speculative: bool) -> list[BatchedRequest]:
+    """Allocate, prefill, and step to completion (speculative steps or plain ones); frees the slots."""
+    params = params if isinstance(params, list) else [params] * len(prompt_list)
+    reqs = [BatchedRequest(i, list(p), s) for i, (p, s) in enumerate(zip(prompt_list, params))]
+    for r in reqs:
+        engine.allocate_slot(r)
+    engine.batch_prefill(reqs)
+    while not all(r.finished for r in reqs):
+        (engine.batch_speculative_step if speculative else engine.batch_decode_step)(reqs)
+    for r in reqs:
+        engine.free_slot(r.request_id)
+    return reqs
+
+
+def accepted(engine: Engine) -> tuple[int, int]:
+    return engine.speculator.total_accepted, engine.speculator.total_proposed
+
+
+def assert_same(plain: list[BatchedRequest], spec: list[BatchedRequest]) -> None:
+    for a, b in zip(plain, spec):
+        assert b.generated_tokens == a.generated_tokens
+        assert b.finish_reason == a.finish_reason
+        assert len(b.logprobs) == len(a.logprobs)
+        np.testing.assert_allclose([e[0] for e in b.logprobs], [e[0] for e in a.logprobs], atol=1e-4)
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert list(x[1]) == list(y[1])  # the same top ids, in order
+            np.testing.assert_allclose(list(y[1].values()), list(x[1].values()), atol=1e-4)
+
+
+# ---- config -------------------------------------------------------------------------------------------------------
+
+def test_config_parses_vllm_spelling_and_refuses_what_it_does_not_know():
+    assert EngineConfig.of(speculative=SPEC).speculative == SpeculativeConfig(**SPEC)
+    assert SpeculativeConfig.of('{"method": "ngram", "num_speculative_tokens": 2}').num_speculative_tokens == 2
+    assert EngineConfig.of().speculative is None
+    with pytest.raises(ConfigError, match="draft_model"):
+        EngineConfig.of(speculative=dict(method="ngram", draft_model="x"))
+    with pytest.raises(ConfigError, match="'eagle'"):
+        EngineConfig.of(speculative=dict(method="eagle"))
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        SpeculativeConfig.of(dict(num_speculative_tokens=0))
+    with pytest.raises(ConfigError, match="prompt_lookup_min"):
+        SpeculativeConfig.of(dict(prompt_lookup_min=5, prompt_lookup_max=2))
+    with pytest.raises(ConfigError, match="JSON"):
+        SpeculativeConfig.of("{method: ngram}")
+
+
+# ---- drafting ----------------------------------------------------------------------------------------------------
+
+def brute_force_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The longest suffix (n_max..n_min) with an earlier occurrence, its most recent one, and the k tokens after
+    it continued periodically: searched from scratch."""
+    last = len(tokens) - 1
+    for n in range(n_max, n_min - 1, -1):
+        if last + 1 < n:
+            continue
+        suffix = tokens[last + 1 - n:]
+        for end in range(last - 1, n - 2, -1):
+            if tokens[end + 1 - n: end + 1] == suffix:
+                extended = list(tokens)
+                while len(extended) < last + 1 + k:
+                    extended.append(extended[len(extended) - (last - end)])
+                return extended[end + 1: end + 1 + k]
+    return []
+
+
+def test_ngram_index_matches_a_brute_force_search_as_the_context_grows():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        tokens = [int(t) for t in rng.integers(0, 4 + trial % 5, 6)]
+        index = NgramIndex(1 + trial % 2, 3 + trial % 3)
+        for _ in range(40):
+            assert index.propose(tokens, 4) == brute_force_draft(tokens, 4, index.sizes[-1], index.sizes[0])
+            tokens += [int(t) for t in rng.integers(0, 4 + trial % 5, int(rng.integers(1, 4)))]
+    assert NgramIndex(2, 2).propose([7, 7, 7], 3) == [7, 7, 7]  # a loop of period 1 drafts k tokens
+
+
+def test_backoff_skips_more_after_each_miss_and_resets_on_acceptance():
+    backoff = Backoff()
+    waits = []
+    for _ in range(6):
+        backoff.record(0)
+        waits.append(sum(not backoff.due() for _ in range(MAX_SKIP + 1)))
+    assert waits == [1, 3, 7, 15, 16, 16]
+    backoff.record(2)
+    assert backoff.due()
+
+
+# ---- exactness ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["alone", "batched", "chunked", "penalties", "logprobs", "seeded"])
+def test_identical_to_plain_decoding(engines, model, case):
+    plain, spec = engines
+    vocab = model.config.vocab_size
+    lengths = {"alone": (7,), "chunked": (70, 45)}.get(case, (5, 20))  # chunked: prompts over prefill_chunk
+    params = {"penalties": SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.2,
+                                          presence_penalty=0.3, frequency_penalty=-0.4),
+              "logprobs": SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3),
+              "seeded": [SamplingParams(max_tokens=40, temperature=t, top_p=p, seed=s, ignore_eos=True,
+                                        frequency_penalty=-1.5)
+                         for t, p, s in ((0.5, 1.0, 1), (0.8, 0.9, 4))]}
+    sp = params.get(case, GREEDY)
+    ps = prompts(len(case), lengths, vocab)
+    before = accepted(spec)
+    want, got = run(plain, ps, sp, False), run(spec, ps, sp, True)
+    assert_same(want, got)
+    after = accepted(spec)
+    assert after[0] > before[0], "the random model's loops must give the drafts something to accept"
+    if case in ("batched", "seeded"):  # verified rows accept different counts
+        assert len(spec.speculator.histogram) >= 2
+
+
+def test_stop_tokens_max_tokens_and_prefix_reuse_inside_accepted_runs(engines, model):
+    """A stop token or max_tokens reached inside an accepted run cuts it there; a prompt reusing a cached prefix
+    (of a slot a speculative request wrote, rejected drafts included) decodes as it does from scratch."""
+    plain, spec = engines
+    ps = prompts(11, (6, 12), model.config.vocab_size)
+    free = run(plain, ps, GREEDY, False)
+    assert all(r.finish_reason == "length" for r in free)
+    for req, p in zip(free, ps):  # the first token the loop repeats, as a stop token: it falls inside a run
+        tokens = req.generated_tokens
+        repeat = next(t for i, t in enumerate(tokens) if t in tokens[:i] and i > 8)
+        stop = SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=(repeat,))
+        assert_same(run(plain, [p], stop, False), run(spec, [p], stop, True))
+    for n in (9, 10, 11, 17):  # max_tokens at every offset of a run of 3 drafts + 1
+        capped = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        assert_same(run(plain, ps, capped, False), run(spec, ps, capped, True))
+    reuse = [ps[0] + free[0].generated_tokens[:20] + [3, 4], ps[1] + [5]]
+    got = run(spec, reuse, GREEDY, True)
+    assert got[0].cached_prefix_len > len(ps[0])
+    assert_same(run(plain, reuse, GREEDY, False), got)
+
+
+def test_int8_kv_cache_is_identical_to_plain_decoding(model):
+    plain = Engine(model, **SIZES, kv_dtype="int8")
+    spec = Engine(model, **SIZES, kv_dtype="int8", speculative=SPEC)
+    ps = prompts(5, (9, 30), model.config.vocab_size)
+    assert_same(run(plain, ps, GREEDY, False), run(spec, ps, GREEDY, True))
+    assert accepted(spec)[0] > 0
+
+
+# ---- the distribution when unseeded --------------------------------------------------------------------------------
+
+def first_tokens(engine: Engine, prompt: list[int], draft: list[int] | None, n: int, sp: SamplingParams,
+                 count: int) -> Counter:
+    """How often each sequence of the first n tokens comes out over `count` unseeded requests, 2 at a time: the
+    first step verifies `draft` (None: plain decoding), the rest decode plainly."""
+    seen = Counter()
+    for start in range(0, count, 2):
+        reqs = [BatchedRequest(f"r{start + i}", prompt, sp) for i in range(2)]
+        for r in reqs:
+            engine.allocate_slot(r)
+        engine.batch_prefill(reqs)
+        if draft is not None:
+            engine.verify_collect(engine.verify_dispatch(reqs, [draft] * 2))
+        while any(len(r.generated_tokens) < n and not r.finished for r in reqs):
+            engine.batch_decode_step(reqs)
+        for r in reqs:
+            seen[tuple(r.generated_tokens[:n])] += 1
+            engine.free_slot(r.request_id)
+    return seen
+
+
+def chi_square_p(a: Counter, b: Counter) -> float:
+    """p-value of "a and b are samples of one distribution" (categories rarer than 10 in both pooled)."""
+    keys = [k for k in set(a) | set(b) if a[k] + b[k] >= 10]
+    table = [[a[k] for k in keys] + [sum(a.values()) - sum(a[k] for k in keys)],
+             [b[k] for k in keys] + [sum(b.values()) - sum(b[k] for k in keys)]]
+    table = [row for row in zip(*table) if sum(row)]  # drop an empty "other" column
+    return chi2_contingency(np.array(table).T)[1]
+
+
+@pytest.fixture(scope="module")
+def sampled(engines, model):
+    """A prompt, a draft the model often accepts (its greedy continuation), and the plain first 3 tokens of 800
+    unseeded requests (top_k 3: 27 outcomes)."""
+    plain, spec = engines
+    prompt = prompts(21, (8,), model.config.vocab_size)[0]
+    draft = run(plain, [prompt], SamplingParams(max_tokens=3, temperature=0.0), False)[0].generated_tokens[:2]
+    sp = SamplingParams(max_tokens=3, temperature=1.5, top_k=3, ignore_eos=True)
+    return prompt, draft, sp, first_tokens(plain, prompt, None, 3, sp, 800)
+
+
+def test_unseeded_sampling_keeps_the_distribution(engines, sampled):
+    _, spec = engines
+    prompt, draft, sp, want = sampled
+    before = accepted(spec)
+    got = first_tokens(spec, prompt, draft, 3, sp, 800)
+    rate = (accepted(spec)[0] - before[0]) / (accepted(spec)[1] - before[1])
+    assert 0.1 < rate < 0.95, "the test needs drafts accepted often, and rejected often"
+    assert chi_square_p(want, got) > 1e-3
+
+
+def test_the_chi_square_test_fails_an_acceptance_rule_that_accepts_every_draft(engines, sampled, monkeypatch):
+    """The wrong rule (every draft accepted, as if p(t) were 1) must fail the very test above."""
+    _, spec = engines
+    prompt, draft, sp, want = sampled
+    original = engine_module.verify_sample_step
+
+    def accept_all(penalties, logits, plan):
+        penalties, out, _ = original(penalties, logits, plan)
+        k = plan.drafts.shape[1]
+        tokens = out.tokens.at[:, :k].set(jnp.where(jnp.arange(k) < plan.num_drafts[:, None], plan.drafts,
+                                                    out.tokens[:, :k]))
+        return penalties, type(out)(tokens, out.logprobs, out.top_ids, out.top_logprobs), jnp.asarray(plan.num_drafts)
+
+    monkeypatch.setattr(engine_module, "verify_sample_step", accept_all)
+    assert chi_square_p(want, first_tokens(spec, prompt, draft, 3, sp, 800)) < 1e-6
+
+
+# ---- serving -----------------------------------------------------------------------------------------------------
+
+def test_verify_dispatch_refuses_bad_drafts_and_plain_engines(engines, model):
+    plain, spec = engines
+    req = BatchedRequest("x", [1, 2, 3], GREEDY)
+    spec.allocate_slot(req)
+    spec.batch_prefill([req])
+    with pytest.raises(RequestError, match="at most 3"):
+        spec.verify_dispatch([req], [[1, 2, 3, 4]])
+    spec.free_slot("x")
+    with pytest.raises(RequestError, match="does not speculate"):
+        plain.verify_dispatch([], [])
+
+
+@pytest.fixture(scope="module")
+def coder():
+    """The embedded code model (real tokenizer, real copying), plain and speculative, at small sizes."""
+    sizes = dict(max_batch_size=2, max_seq_len=128, prefill_chunk=128, compile_cache_dir="off")
+    plain = pj.LLM(**sizes)
+    spec = pj.LLM(plain.model, **sizes, speculative=dict(method="ngram", num_speculative_tokens=4))
+    yield plain, spec
+    plain.close()
+    spec.close()
+
+
+CODE = '''def area(width, height):
+    """Return the area of a rectangle."""
+    return width * height
+
+
+def volume(width, height, depth):
+    """Return the volume of a box."""
+    return width * height * depth
+
+
+def perimeter(width, height):
+    """'''
+
+
+def test_llm_streams_the_same_text_with_stop_strings_and_accepts_drafts_on_code(coder):
+    plain, spec = coder
+    for sp in (SamplingParams(max_tokens=48, temperature=0.0), SamplingParams(max_tokens=48, temperature=0.0,
+                                                                            stop=["height *", "\n\n\n"])):
+        want = plain.generate([CODE, CODE[:60]], sp)
+        got = spec.generate([CODE, CODE[:60]], sp)
+        assert [c.text for c in got] == [c.text for c in want]
+        assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
+        assert "".join(spec.stream(CODE, sp)) == want[0].text
+    assert spec.engine.speculator.total_accepted > 20  # the model copies its own docstrings and arguments
+
+
+def test_scheduler_cancel_mid_run_frees_the_slot(coder):
+    _, spec = coder
+    sched = spec.scheduler
+    handle = spec.submit(CODE, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+    stream = iter(handle)
+    next(stream)
+    handle.cancel()
+    assert handle.result(timeout=60).finish_reason == "cancelled"
+    again = spec.generate(CODE, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert len(again.token_ids) == 8 and spec.engine.num_free_slots == spec.engine.num_slots
+    assert not sched.running
+
+
+def test_warmup_covers_the_verify_shapes(engines, model):
+    engine = engines[1]
+    engine.warmup(progress=False)
+    compiled, before = engine.compiled_count(), accepted(engine)
+    ps = prompts(3, (5, 30), model.config.vocab_size)
+    run(engine, ps, [SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2),
+                     SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)], True)
+    assert accepted(engine)[1] > before[1]  # verify steps ran
+    assert engine.compiled_count() == compiled
