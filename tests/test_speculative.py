@@ -1,6 +1,7 @@
 """Speculative decoding (prompt-lookup drafts): token-for-token identical to plain decoding (greedy and seeded),
 the same distribution when unseeded (chi-square, with a wrong acceptance rule that must fail it), the drafter
 against a brute-force search, the scheduler and LLM paths, warm-up."""
+import argparse
 from collections import Counter
 
 import jax.numpy as jnp
@@ -14,9 +15,9 @@ from pocketjax.engine.config import EngineConfig, SpeculativeConfig
 from pocketjax.engine.engine import Engine
 from pocketjax.engine.request import BatchedRequest
 from pocketjax.engine.sampling import SamplingParams
-from pocketjax.engine.speculative import MAX_SKIP, Backoff, NgramIndex
+from pocketjax.engine.speculative import MAX_SKIP, Backoff, NgramIndex, Speculator
 from pocketjax.errors import ConfigError, RequestError
-from pocketjax.serve.scheduler import Scheduler
+from pocketjax.serve.cli import add_model_args, engine_config
 
 SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
 SIZES = dict(max_batch_size=2, max_seq_len=128, prefill_chunk=32)  # few shapes: rows 1 and 2, one kv bucket
@@ -86,6 +87,17 @@ def test_config_parses_vllm_spelling_and_refuses_what_it_does_not_know():
         SpeculativeConfig.of("{method: ngram}")
 
 
+def test_cli_flag_takes_vllm_json():
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    flag = '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 1}'
+    config = engine_config(parser.parse_args(["--speculative-config", flag]))
+    assert config.speculative == SpeculativeConfig(num_speculative_tokens=5, prompt_lookup_min=1)
+    assert engine_config(parser.parse_args([])).speculative is None
+    with pytest.raises(ConfigError, match="lookahead"):
+        engine_config(parser.parse_args(["--speculative-config", '{"lookahead": 3}']))
+
+
 # ---- drafting ----------------------------------------------------------------------------------------------------
 
 def brute_force_draft(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -125,6 +137,20 @@ def test_backoff_skips_more_after_each_miss_and_resets_on_acceptance():
     assert waits == [1, 3, 7, 15, 16, 16]
     backoff.record(2)
     assert backoff.due()
+
+
+def test_step_clock_verifies_only_where_drafts_pay_for_the_verify():
+    speculator = Speculator(SpeculativeConfig())
+    assert speculator.pays(4, 4, [0.1])  # nothing timed yet: try a verify
+    clock = speculator.clock
+    for kind, seconds in (("verify", 9.0), ("verify", 0.3), ("verify", 0.3)):
+        clock.observe(kind, 4, seconds)  # the first (a compile) is dropped
+    assert clock.verify[4] == pytest.approx(0.3) and not speculator.pays(4, 4, [8.0])  # no plain step timed: time one
+    clock.observe("plain", 4, 5.0)
+    clock.observe("plain", 4, 0.1)
+    assert clock.ratio(4) == pytest.approx(3.0)
+    assert speculator.pays(4, 4, [3.0, 3.0, 2.5]) and not speculator.pays(4, 4, [3.0, 3.0, 1.5])
+    assert speculator.pays(8, 8, [0.5])  # another row bucket is timed on its own
 
 
 # ---- exactness ---------------------------------------------------------------------------------------------------
@@ -305,6 +331,7 @@ def coder():
     sizes = dict(max_batch_size=2, max_seq_len=128, prefill_chunk=128, compile_cache_dir="off")
     plain = pj.LLM(**sizes)
     spec = pj.LLM(plain.model, **sizes, speculative=dict(method="ngram", num_speculative_tokens=4))
+    spec.engine.speculator.pays = lambda *_: True  # verify whenever a draft exists: the policy on time is tested apart
     yield plain, spec
     plain.close()
     spec.close()
@@ -328,8 +355,8 @@ def test_llm_streams_the_same_text_with_stop_strings_and_accepts_drafts_on_code(
     plain, spec = coder
     for sp in (SamplingParams(max_tokens=48, temperature=0.0), SamplingParams(max_tokens=48, temperature=0.0,
                                                                             stop=["height *", "\n\n\n"])):
-        want = plain.generate([CODE, CODE[:60]], sp)
-        got = spec.generate([CODE, CODE[:60]], sp)
+        both = [CODE, CODE.replace("rectangle", "square")]  # one prefill width: fewer programs to compile
+        want, got = plain.generate(both, sp), spec.generate(both, sp)
         assert [c.text for c in got] == [c.text for c in want]
         assert [c.finish_reason for c in got] == [c.finish_reason for c in want]
         assert "".join(spec.stream(CODE, sp)) == want[0].text

@@ -23,6 +23,7 @@ from typing import Any
 from .config import SpeculativeConfig
 from .request import BatchedRequest
 
+EMA = 0.25  # weight of the newest observation in the running means below
 MAX_SKIP = 16  # most steps a request waits before it drafts again, after drafts that were all rejected
 MISS_SKIP = 2  # most after lookups that found nothing (cheap: they cost no verify, only the step's pipelining)
 
@@ -97,6 +98,36 @@ class DraftState:
     backoff: Backoff = field(default_factory=Backoff)
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
+    expected: float | None = None  # running mean of drafts accepted per verify (None: none verified yet)
+
+
+@dataclass
+class StepClock:
+    """Seconds per decode step as served (running means per row bucket), plain and verify: what a verify costs on
+    this machine and model relative to a plain step. On a GPU at a few rows both read the weights once and cost
+    about the same; on a CPU with a small model a step is compute-bound and k + 1 positions cost several steps."""
+
+    plain: dict[int, float] = field(default_factory=dict)
+    verify: dict[int, float] = field(default_factory=dict)
+    seen: set[tuple[str, int]] = field(default_factory=set)
+
+    def observe(self, kind: str, rows: int, seconds: float) -> None:
+        """One step of `kind` ("plain" or "verify") over `rows` rows took `seconds`; the first of each is dropped
+        (it may have compiled its programs)."""
+        if (kind, rows) not in self.seen:
+            self.seen.add((kind, rows))
+            return
+        means = self.verify if kind == "verify" else self.plain
+        means[rows] = seconds if rows not in means else (1 - EMA) * means[rows] + EMA * seconds
+
+    def ratio(self, rows: int) -> float | None:
+        """verify / plain seconds at `rows`; 1 while no verify was timed (try one); None while verifies were timed
+        but no plain step was (time one)."""
+        if rows not in self.verify:
+            return 1.0
+        if rows not in self.plain:
+            return None
+        return self.verify[rows] / self.plain[rows]
 
 
 def drafts_nothing(req: BatchedRequest) -> bool:
@@ -113,6 +144,7 @@ class Speculator:
         self.states: dict[Any, tuple[BatchedRequest, DraftState]] = {}
         self.total_proposed = self.total_accepted = 0  # draft tokens verified, and accepted, over the engine's life
         self.histogram: Counter[int] = Counter()  # accepted drafts per verified row -> how often
+        self.clock = StepClock()  # fed by the Scheduler, which alone sees steps as served
 
     @property
     def k(self) -> int:
@@ -154,6 +186,18 @@ class Speculator:
         self.total_accepted += accepted
         self.histogram[accepted] += 1
         state.backoff.record(accepted)
+        state.expected = accepted if state.expected is None else (1 - EMA) * state.expected + EMA * accepted
+
+    def expected(self, req: BatchedRequest) -> float:
+        """Drafts req is expected to have accepted per verify: its running mean, k / 2 before its first."""
+        mean = self.state(req).expected
+        return self.k / 2 if mean is None else mean
+
+    def pays(self, rows: int, running: int, gains: Sequence[float]) -> bool:
+        """Whether a verify over `running` requests in `rows` rows, whose drafts are expected to gain `gains` tokens,
+        beats a plain step: (running + sum(gains)) / verify seconds > running / plain seconds, by `clock`."""
+        ratio = self.clock.ratio(rows)
+        return ratio is not None and sum(gains) > running * (ratio - 1)
 
     @property
     def acceptance_rate(self) -> float:

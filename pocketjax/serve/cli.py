@@ -34,6 +34,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, help="KV cache dtype (default: the model's)")
     engine.add_argument("--compile-cache-dir", dest="compile_cache_dir",
                         help="JAX's persistent compilation cache folder (default ~/.cache/pocketjax/xla; 'off')")
+    engine.add_argument("--speculative-config", dest="speculative", metavar="JSON",
+                        help='speculative decoding (vLLM\'s spelling), e.g. \'{"method": "ngram", '
+                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     p.add_argument("--warmup", action="store_true", help="compile every engine shape before the first request")
     job = p.add_argument_group("multi-process job (jax.distributed; unset: one process). Start the same command in "
                                "every process: process 0 takes the requests and prints, the others follow it")
@@ -42,7 +45,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     job.add_argument("--coordinator", help="HOST:PORT where process 0 listens ($JAX_COORDINATOR_ADDRESS)")
 
 
-ENGINE_OPTIONS = tuple(ENVIRONMENT)  # every option a flag or a POCKETJAX_* variable sets
+ENGINE_OPTIONS = (*ENVIRONMENT, "speculative")  # every option a flag (or a POCKETJAX_* variable) sets
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

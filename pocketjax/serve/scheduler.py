@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -56,7 +57,8 @@ class Scheduler:
         self.prefill_token_budget = budget
         self.tokenizer = tokenizer
         self.pipeline = pipeline  # overlap each step's host work with the next decode step on device
-        self._pending: PendingDecode | None = None  # the decode step in flight: its tokens are read next step
+        self._pending: PendingDecode | PendingVerify | None = None  # the decode step in flight: read next step
+        self._last_decode: tuple[str, int, float] | None = None  # speculative: (kind, rows, start) of the last step
         self.waiting: deque[RequestHandle] = deque()
         self.running: list[RequestHandle] = []  # admitted: holding a slot, prefilling or decoding
         self._live: dict[Any, RequestHandle] = {}  # request_id -> handle, waiting or running
@@ -135,7 +137,7 @@ class Scheduler:
         self._run(prefilling, self.engine.batch_prefill, [h.request for h in prefilling],
                   token_budget=self.prefill_token_budget, alone=self._prefill_alone)
         if self.engine.speculator is not None:
-            self._decode_speculative(decoding)
+            self._decode_speculative(decoding, timed=not prefilling)
         elif self.pipeline:
             self._decode_pipelined(decoding)
         else:
@@ -308,19 +310,29 @@ class Scheduler:
         if following is not None and self._run(handles, self.engine.decode_collect, pending) is not None:
             self._pending = following
 
-    def _decode_speculative(self, handles: list[RequestHandle]) -> None:
-        """Speculative decoding (EngineConfig.speculative): a step where some request tries a draft reads the step in
-        flight first (a draft needs its tokens), drafts on the host, queues ONE verify step (rows without a draft
-        decode in it), then hands out the tokens read while the device runs it; a step where no request tries
-        (all backing off, `speculative.Backoff`) is the plain pipelined decode."""
+    def _decode_speculative(self, handles: list[RequestHandle], timed: bool = True) -> None:
+        """Speculative decoding (EngineConfig.speculative): a step that verifies reads the step in flight first (a
+        draft needs its tokens), drafts on the host, queues ONE verify step (rows without a draft decode in it), then
+        hands out the tokens read while the device runs it. It verifies only when the drafts are expected to pay for
+        the verify by this machine's measured step times (`Speculator.pays`); otherwise, and whenever no request is
+        due to draft (all backing off, `speculative.Backoff`), the step is the plain pipelined decode. `timed`: no
+        prefill ran in this step, so the time since the last one measures the decode step before it."""
+        spec = self.engine.speculator
         requests = [h.request for h in handles]
-        due = self.engine.speculator.due(requests)
+        running = [r for r in requests if not r.finished]
+        rows, now = self.engine.rules.rows(max(len(running), 1)), time.perf_counter()
+        last, self._last_decode = self._last_decode, None
+        if last is not None and timed and last[1] == rows:
+            spec.clock.observe(last[0], rows, now - last[2])
+        due = spec.due(requests)
         pending = self._pending
-        if not any(due) and not isinstance(pending, PendingVerify):
+        optimistic = [spec.expected(r) for r, on in zip(requests, due) if on]
+        if not isinstance(pending, PendingVerify) and not (optimistic and spec.pays(rows, len(running), optimistic)):
             if self.pipeline:
                 self._decode_pipelined(handles)
             else:
                 self._run(handles, self.engine.batch_decode_step, requests, alone=self._decode_alone)
+            self._last_decode = ("plain", rows, now) if running else None
             return
         self._pending = None
         if pending is not None:
@@ -329,16 +341,21 @@ class Scheduler:
         if all(r.finished for r in requests):
             return
         drafts = self.engine.draft(requests, due)
-        if any(drafts):
+        gains = [spec.expected(r) for r, d in zip(requests, drafts) if d]
+        running = [r for r in requests if not r.finished]
+        if gains and spec.pays(self.engine.rules.rows(len(running)), len(running), gains):
             step = self._run(handles, self.engine.verify_dispatch, requests, drafts, alone=self._speculate_alone)
+            kind = "verify"
         else:
             step = self._run(handles, self.engine.decode_dispatch, requests, alone=self._decode_alone)
+            kind = "plain"
         if not self.pipeline and step is not None:
             collect = self.engine.verify_collect if isinstance(step, PendingVerify) else self.engine.decode_collect
             self._run(handles, collect, step)
             return
         self._hand_out(handles)  # what the collected step brought, while the device runs the new one
         self._pending = step
+        self._last_decode = (kind, self.engine.rules.rows(len(running)), now) if step is not None else None
 
     def _speculate_alone(self, handle: RequestHandle) -> None:
         self.engine.batch_speculative_step([handle.request])
