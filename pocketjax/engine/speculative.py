@@ -15,7 +15,8 @@ verify (k + 1 positions) only about once every MAX_SKIP + 1 steps.
 """
 from __future__ import annotations
 
-from collections import Counter
+import statistics
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,7 +24,10 @@ from typing import Any
 from .config import SpeculativeConfig
 from .request import BatchedRequest
 
-EMA = 0.25  # weight of the newest observation in the running means below
+EMA = 0.25  # weight of the newest verify in a request's running mean of accepted drafts
+WINDOW = 15  # step times kept per kind and row bucket (StepClock)
+MIN_TIMED = 3  # step times needed before StepClock trusts a median
+EXPLORE = 32  # every EXPLORE-th verify the clock refuses runs anyway, so a stale median is measured again
 MAX_SKIP = 16  # most steps a request waits before it drafts again, after drafts that were all rejected
 MISS_SKIP = 2  # most after lookups that found nothing (cheap: they cost no verify, only the step's pipelining)
 
@@ -103,31 +107,30 @@ class DraftState:
 
 @dataclass
 class StepClock:
-    """Seconds per decode step as served (running means per row bucket), plain and verify: what a verify costs on
-    this machine and model relative to a plain step. On a GPU at a few rows both read the weights once and cost
-    about the same; on a CPU with a small model a step is compute-bound and k + 1 positions cost several steps."""
+    """Seconds per decode step as served (the median of the last WINDOW per row bucket), plain and verify: what a
+    verify costs on this machine and model relative to a plain step. On a GPU at a few rows both read the weights
+    once and cost about the same; on a CPU with a small model a step is compute-bound and k + 1 positions cost
+    several steps. Medians, so a step that compiled (a new attention length) or a busy neighbour does not count."""
 
-    plain: dict[int, float] = field(default_factory=dict)
-    verify: dict[int, float] = field(default_factory=dict)
-    seen: set[tuple[str, int]] = field(default_factory=set)
+    plain: dict[int, deque] = field(default_factory=dict)
+    verify: dict[int, deque] = field(default_factory=dict)
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
-        """One step of `kind` ("plain" or "verify") over `rows` rows took `seconds`; the first of each is dropped
-        (it may have compiled its programs)."""
-        if (kind, rows) not in self.seen:
-            self.seen.add((kind, rows))
-            return
-        means = self.verify if kind == "verify" else self.plain
-        means[rows] = seconds if rows not in means else (1 - EMA) * means[rows] + EMA * seconds
+        """One step of `kind` ("plain" or "verify") over `rows` rows took `seconds`."""
+        (self.verify if kind == "verify" else self.plain).setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+
+    def seconds(self, kind: str, rows: int) -> float | None:
+        """The median step time, once MIN_TIMED steps of `kind` at `rows` were timed."""
+        times = (self.verify if kind == "verify" else self.plain).get(rows, ())
+        return statistics.median(times) if len(times) >= MIN_TIMED else None
 
     def ratio(self, rows: int) -> float | None:
-        """verify / plain seconds at `rows`; 1 while no verify was timed (try one); None while verifies were timed
-        but no plain step was (time one)."""
-        if rows not in self.verify:
+        """verify / plain seconds at `rows`; 1 while too few verifies were timed (try them); None while verifies
+        were timed but too few plain steps were (time those)."""
+        verify, plain = self.seconds("verify", rows), self.seconds("plain", rows)
+        if verify is None:
             return 1.0
-        if rows not in self.plain:
-            return None
-        return self.verify[rows] / self.plain[rows]
+        return None if plain is None else verify / plain
 
 
 def drafts_nothing(req: BatchedRequest) -> bool:
@@ -145,6 +148,7 @@ class Speculator:
         self.total_proposed = self.total_accepted = 0  # draft tokens verified, and accepted, over the engine's life
         self.histogram: Counter[int] = Counter()  # accepted drafts per verified row -> how often
         self.clock = StepClock()  # fed by the Scheduler, which alone sees steps as served
+        self.refused: Counter[int] = Counter()  # verifies the clock refused, per row bucket
 
     @property
     def k(self) -> int:
@@ -186,7 +190,7 @@ class Speculator:
         self.total_accepted += accepted
         self.histogram[accepted] += 1
         state.backoff.record(accepted)
-        state.expected = accepted if state.expected is None else (1 - EMA) * state.expected + EMA * accepted
+        state.expected = (1 - EMA) * self.expected(req) + EMA * accepted  # from the prior k / 2: one miss is no verdict
 
     def expected(self, req: BatchedRequest) -> float:
         """Drafts req is expected to have accepted per verify: its running mean, k / 2 before its first."""
@@ -197,7 +201,10 @@ class Speculator:
         """Whether a verify over `running` requests in `rows` rows, whose drafts are expected to gain `gains` tokens,
         beats a plain step: (running + sum(gains)) / verify seconds > running / plain seconds, by `clock`."""
         ratio = self.clock.ratio(rows)
-        return ratio is not None and sum(gains) > running * (ratio - 1)
+        if ratio is not None and sum(gains) > running * (ratio - 1):
+            return True
+        self.refused[rows] += 1
+        return ratio is not None and self.refused[rows] % EXPLORE == 0
 
     @property
     def acceptance_rate(self) -> float:

@@ -11,6 +11,7 @@ vLLM's published Grafana dashboards and alerts work unchanged:
   vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, vllm:e2e_request_latency_seconds,
   vllm:request_prompt_tokens, vllm:request_generation_tokens histograms
   pocketjax:slots_used / pocketjax:slots_total               gauges
+  vllm:spec_decode_num_drafts_total, _num_draft_tokens_total, _num_accepted_tokens_total   speculative decoding
   http_requests_total{method, handler, status}               every HTTP answer by route and exact status code
 
 Times are taken where the server's handles receive tokens (the scheduler thread's delivery), from the moment a
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
     from .handle import RequestHandle
@@ -162,6 +163,15 @@ class SchedulerGauges:
             gauge = GaugeMetricFamily(name, doc, labels=self.names)
             gauge.add_metric(self.values, value)
             yield gauge
+        spec = engine.speculator
+        if spec is not None:  # speculative decoding, under vLLM's names (counters over the engine's life)
+            for name, doc, value in (
+                    ("vllm:spec_decode_num_drafts", "Drafts verified.", sum(spec.histogram.values())),
+                    ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", spec.total_proposed),
+                    ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.total_accepted)):
+                counter = CounterMetricFamily(name, doc, labels=self.names)
+                counter.add_metric(self.values, value)
+                yield counter
 
 
 def metrics_router(metrics: RequestMetrics) -> APIRouter:
