@@ -321,7 +321,17 @@ def test_verify_dispatch_refuses_bad_drafts_and_plain_engines(engines, model):
     spec.batch_prefill([req])
     with pytest.raises(RequestError, match="at most 3"):
         spec.verify_dispatch([req], [[1, 2, 3, 4]])
+    structured = BatchedRequest("s", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
+    object.__setattr__(structured.sampling, "structured", {"type": "json"})  # (the structured-output field)
+    spec.allocate_slot(structured)
+    spec.batch_prefill([structured])
+    assert spec.speculator.due([req]) == [True]
+    assert spec.speculator.due([req, structured]) == [False, False]  # a batch holding one decodes plainly
+    with pytest.raises(RequestError, match="structured"):
+        spec.verify_dispatch([structured], [[]])
+    assert all(len(t) == 1 for t in spec.batch_speculative_step([req, structured]))
     spec.free_slot("x")
+    spec.free_slot("s")
     with pytest.raises(RequestError, match="does not speculate"):
         plain.verify_dispatch([], [])
 

@@ -29,7 +29,7 @@ from .plan import (DecodePlan, SamplePlan, Signature, StepRules, VerifyPlan, Ver
 from .request import BatchedRequest, RequestStatus
 from .sampling import SampleOutput, SamplingParams
 from .slots import SlotTable
-from .speculative import Speculator
+from .speculative import Speculator, drafts_nothing
 from .steps import (Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step, verify_sample_step,
                     verify_step)
 from .warmup import compiled_count, warmup as warm_up
@@ -453,6 +453,9 @@ class Engine:
                 raise RequestError(f"request {req.request_id!r} must be prefilled before decoding")
             if req.in_flight:
                 raise RequestError(f"request {req.request_id!r} has a decode step in flight: collect it first")
+            if drafts_nothing(req):
+                raise RequestError(f"request {req.request_id!r} has a structured output: the verify step applies no "
+                                   f"token mask, so decode it with decode_dispatch")
             if len(d) > self.speculator.k or not all(isinstance(t, (int, np.integer)) for t in d):
                 raise RequestError(f"request {req.request_id!r}: a draft is at most {self.speculator.k} token ids")
         step = PendingVerify(list(requests), [], None, None)

@@ -318,6 +318,8 @@ class Scheduler:
         due to draft (all backing off, `speculative.Backoff`), the step is the plain pipelined decode. `timed`: no
         prefill ran in this step, so the time since the last one measures the decode step before it."""
         spec = self.engine.speculator
+        # In a multi-process job every process must take the same decision: by tokens only, never by its own clock.
+        pays = spec.pays if self.group is None else (lambda *_: True)
         requests = [h.request for h in handles]
         running = [r for r in requests if not r.finished]
         rows, now = self.engine.rules.rows(max(len(running), 1)), time.perf_counter()
@@ -327,7 +329,7 @@ class Scheduler:
         due = spec.due(requests)
         pending = self._pending
         optimistic = [spec.expected(r) for r, on in zip(requests, due) if on]
-        if not isinstance(pending, PendingVerify) and not (optimistic and spec.pays(rows, len(running), optimistic)):
+        if not isinstance(pending, PendingVerify) and not (optimistic and pays(rows, len(running), optimistic)):
             if self.pipeline:
                 self._decode_pipelined(handles)
             else:
@@ -343,7 +345,7 @@ class Scheduler:
         drafts = self.engine.draft(requests, due)
         gains = [spec.expected(r) for r, d in zip(requests, drafts) if d]
         running = [r for r in requests if not r.finished]
-        if gains and spec.pays(self.engine.rules.rows(len(running)), len(running), gains):
+        if gains and pays(self.engine.rules.rows(len(running)), len(running), gains):
             step = self._run(handles, self.engine.verify_dispatch, requests, drafts, alone=self._speculate_alone)
             kind = "verify"
         else:
