@@ -225,8 +225,9 @@ class ToolCallParser:
     """Reads an answer's text piece by piece: `feed(text)` and, at the end, `finish()` each return the events
     ready to send: content text (str) and complete calls (ToolCall), in order.
 
-    Content is released as soon as it cannot be the start of a <tool_call> tag; a block is held until it closes.
-    Content that is only whitespace is held until something else comes: an answer that is only calls has no content.
+    Content is released as soon as it cannot be the start of a <tool_call> tag; a block is held until it closes as a
+    call (or a new block or the end shows it is not one). Content that is only whitespace is held until something
+    else comes: an answer that is only calls has no content.
     """
 
     calls: list[ToolCall] = field(default_factory=list)
@@ -238,28 +239,50 @@ class ToolCallParser:
         self._pending += text
         events: list[str | ToolCall] = []
         while self._pending:
-            start = self._pending.find(START)
-            if start < 0:
-                keep = partial_tag(self._pending, START)
-                self._content(self._pending[:len(self._pending) - keep], events)
-                self._pending = self._pending[len(self._pending) - keep:]
+            if not self._pending.startswith(START):
+                start = self._pending.find(START)
+                if start < 0:
+                    keep = partial_tag(self._pending, START)
+                    self._content(self._pending[:len(self._pending) - keep], events)
+                    self._pending = self._pending[len(self._pending) - keep:]
+                    break
+                self._content(self._pending[:start], events)
+                self._pending = self._pending[start:]
+            if not self._close(events):
                 break
-            self._content(self._pending[:start], events)
-            self._pending = self._pending[start:]
-            end = self._pending.find(END, len(START))
-            if end < 0:
-                break
-            self._block(self._pending[len(START):end], self._pending[:end + len(END)], events)
-            self._pending = self._pending[end + len(END):]
         return events
+
+    def _close(self, events: list[str | ToolCall]) -> bool:
+        """End the open block at the first </tool_call> before which its text is a call (a JSON string may spell
+        the tag out); False while it may still become one. A block that a new <tool_call> interrupts is content."""
+        pending = self._pending
+        nested = pending.find(START, len(START))
+        end = pending.find(END, len(START))
+        while end >= 0 and (nested < 0 or end < nested):
+            call = parse_block(pending[len(START):end], len(self.calls))
+            if call is not None:
+                self.calls.append(call)
+                events.append(call)
+                self._pending = pending[end + len(END):]
+                return True
+            end = pending.find(END, end + 1)
+        if nested >= 0:
+            self._content(pending[:nested], events)
+            self._pending = pending[nested:]
+            return True
+        return False
 
     def finish(self) -> list[str | ToolCall]:
         """The rest: an unclosed block is a call if its text is one (the answer was cut after the JSON), else
         content; held whitespace is content only if the answer made no call."""
         events: list[str | ToolCall] = []
         rest, self._pending = self._pending, ""
-        if rest.startswith(START):
-            self._block(rest[len(START):], rest, events)
+        body = rest[len(START):]
+        body = body[:len(body) - partial_tag(body, END)]
+        call = parse_block(body, len(self.calls)) if rest.startswith(START) else None
+        if call is not None:
+            self.calls.append(call)
+            events.append(call)
         else:
             self._content(rest, events)
         if self._blank and not self.calls:
@@ -275,14 +298,6 @@ class ToolCallParser:
             return
         events.append(self._blank + text)
         self._blank, self._shown = "", True
-
-    def _block(self, body: str, whole: str, events: list[str | ToolCall]) -> None:
-        call = parse_block(body, len(self.calls))
-        if call is None:
-            self._content(whole, events)
-            return
-        self.calls.append(call)
-        events.append(call)
 
 
 def partial_tag(text: str, tag: str) -> int:
