@@ -10,6 +10,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -247,6 +248,19 @@ def qwen_checkpoint(tmp_path_factory):
         return cache[name]
 
     return make
+
+
+@contextlib.contextmanager
+def served(llm, api_key: str | None = None, **app_options):
+    """(BackgroundServer, openai.OpenAI client) of `llm` served on 127.0.0.1 (`create_app(llm, api_key=api_key,
+    **app_options)`) while the block runs: the client never retries, so a test sees every status as sent."""
+    import openai
+
+    from pocketjax.serve.server import BackgroundServer, create_app
+
+    with BackgroundServer(create_app(llm, api_key=api_key, **app_options)) as server:
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key=api_key or "unused", max_retries=0,
+                                    timeout=120)
 
 
 @pytest.fixture
