@@ -87,7 +87,9 @@ def test_messages_and_instructions_streamed(llm, client):
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text"),  # no name
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
+    ({"text": {"verbosity": "low"}}, "text"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),

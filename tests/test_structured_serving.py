@@ -118,6 +118,19 @@ def test_parse_with_a_pydantic_model(client):
     assert isinstance(parsed, City) and parsed == City.model_validate_json(out.choices[0].message.content)
 
 
+def test_responses_text_format(client):
+    """/v1/responses spells response_format as text.format: the openai client's responses.parse reads it back."""
+    out = client.responses.parse(model=NAME, input=ASK[0]["content"], max_output_tokens=BUDGET, temperature=0,
+                                 text_format=City)
+    assert isinstance(out.output_parsed, City) and out.text.format.type == "json_schema"
+    assert out.output_parsed == City.model_validate_json(out.output_text)
+    schema = {**City.model_json_schema(), "additionalProperties": False}  # what parse sends: strict
+    text = "".join(e.delta for e in client.responses.create(
+        model=NAME, input=ASK[0]["content"], max_output_tokens=BUDGET, temperature=0, stream=True,
+        text={"format": {"type": "json_schema", "name": "City", "schema": schema}}) if e.type.endswith(".delta"))
+    assert text == out.output_text
+
+
 def check_calls(calls, names):
     for name, arguments, call_id in calls:
         assert name in names and re.fullmatch(r"call_[0-9a-f]{24}", call_id)

@@ -1,6 +1,6 @@
 """The request fields that constrain what is generated, as one `Structured` for the engine: OpenAI's
 `response_format` and vLLM's `structured_outputs` extra (its present spelling: `{"json" | "regex" | "choice" |
-"grammar" | "json_object": ...}`), on /v1/completions and /v1/chat/completions.
+"grammar" | "json_object": ...}`) on /v1/completions and /v1/chat/completions, and `text.format` on /v1/responses.
 
 At most one constraint per request: `response_format` (other than "text") and `structured_outputs` together are a
 400, as are tools enforced by a grammar (tool_choice "required" or named) with either. vLLM's old top-level
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..engine.structured import Structured
 from .api_error import APIError
@@ -52,6 +52,42 @@ class ResponseFormat(BaseModel):
                                param="response_format")
             return Structured(json_schema=self.json_schema.schema_)
         return None
+
+
+class TextFormat(BaseModel):
+    """/v1/responses' `text.format`: the Responses API's spelling of response_format (a json_schema's name, schema,
+    strict and description sit beside its type)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=False)
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = Field(default=None, min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    def structured(self) -> Structured | None:
+        if self.type == "json_schema":
+            if self.name is None or self.schema_ is None:
+                raise APIError(400, "text.format of type 'json_schema' needs its name and schema", param="text")
+            return Structured(json_schema=self.schema_)
+        if (self.name, self.schema_, self.strict, self.description) != (None,) * 4:
+            raise APIError(400, f"text.format: name, schema, strict and description are only read with type "
+                                f"'json_schema' (got type {self.type!r})", param="text")
+        return Structured(json_object=True) if self.type == "json_object" else None
+
+    @classmethod
+    def of(cls, text: dict[str, Any] | None) -> tuple[Structured | None, dict[str, Any]]:
+        """The constraint of a Responses request's `text` and the format its Response echoes; 400 naming text."""
+        text = text or {}
+        if set(text) - {"format"}:
+            raise APIError(400, f"text.{sorted(set(text) - {'format'})[0]} is not supported", param="text")
+        given = text.get("format") or {"type": "text"}
+        try:
+            return cls.model_validate(given).structured(), given
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            raise APIError(400, f"text.format.{where}: {first['msg']}", param="text") from None
 
 
 class StructuredOutputs(BaseModel):

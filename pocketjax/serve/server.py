@@ -229,7 +229,8 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
         return reply.body(choices, reply.completion_tokens())
 
     v1.include_router(responses_router(llm, name, check, budget,
-                                       lambda jobs, param: submit_all(llm, jobs, param, metrics), finish_all, merged))
+                                       lambda jobs, param, constrained_by=None: submit_all(
+                                           llm, jobs, param, metrics, constrained_by), finish_all, merged))
     app.include_router(v1)
     app.include_router(tokenization_router(llm, name), dependencies=[Depends(authorize)])
     app.include_router(metrics_router(metrics))
