@@ -372,9 +372,9 @@ async def chat_events(reply: Reply, top: int | None, text_of: TokenText, as_ids:
         sent[i] += len(tokens)
         logprobs = chat_logprobs(text_of, tokens, entries, as_ids) if top is not None and tokens else None
         parser = parsers[i]
-        if parser is None:
+        if parser is None:  # ids still forming a character carry no text, but logprobs
             deltas = [{"content": text}] if text or logprobs is not None else []
-        else:  # ids still forming a character carry no text, but logprobs
+        else:
             events = (parser.feed(text) if text else []) + (parser.finish() if done is not None else [])
             deltas = []
             for event in events:
