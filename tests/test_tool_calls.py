@@ -73,6 +73,8 @@ def test_malformed_blocks_stay_content():
         assert parse_tool_calls("x " + text) == ("x " + text, [])
     content, calls = parse_tool_calls(bad[0] + block(*CALLS[1]))
     assert content == bad[0] and [c.name for c in calls] == ["add"]
+    _, calls = parse_tool_calls(f'{START}{{"arguments": {{"a": 1}}, "name": "f", "id": 7}}{END}')  # other layouts
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
 
 
 def test_an_answer_cut_inside_a_block():

@@ -206,9 +206,9 @@ def parse_block(body: str, index: int) -> ToolCall | None:
         value = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or set(value) - {"name", "arguments"}:
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get("arguments", {})
+    arguments = value.get("arguments")  # other keys are ignored, as vLLM's hermes parser ignores them
     if not isinstance(arguments, dict):
         return None
     raw = ARGUMENTS.match(text)
