@@ -203,8 +203,11 @@ class Constrainer:
         for i, r in live:
             out[i] &= self._limit
             if r.matcher.is_error() or not out[i].any():
-                why = r.matcher.get_error() if r.matcher.is_error() else "no token of the vocabulary is allowed"
-                self.fail(r, f"the grammar cannot continue after {len(r.generated_tokens)} tokens: {why}")
+                if r.matcher.is_accepting() and not r.matcher.is_error():
+                    r.finish("stop")  # complete, and no EOS token to say so with
+                else:
+                    why = r.matcher.get_error() or "no token of the vocabulary is allowed"
+                    self.fail(r, f"the grammar cannot continue after {len(r.generated_tokens)} tokens: {why}")
                 out[i] = ALL_ALLOWED
         return out
 
