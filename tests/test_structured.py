@@ -16,6 +16,7 @@ import pytest
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 
 import pocketjax as pj
+from pocketjax.engine.plan import signatures
 from pocketjax.engine.request import BatchedRequest
 from pocketjax.engine.sampling import mask_logits
 from pocketjax.errors import StructuredOutputError
@@ -288,3 +289,9 @@ def test_compiled_count_is_flat_after_warmup_for_a_mixed_workload(tiny):
     for pipeline in (True, False):
         served(engine, mixed, pipeline=pipeline)
     assert engine.compiled_count() == warm
+    calls = signatures(engine.rules, structured=True)
+    masked = [c for c in calls if c.step.endswith("_masked")]
+    assert {c.step for c in masked} == {"sample_first_masked", "sample_next_masked"}
+    assert len(masked) == len([c for c in calls if c.step in ("sample_first", "sample_next")])
+    assert not any(c.step.endswith("_masked") for c in signatures(engine.rules))  # no tokenizer: not warmed
+    assert "s32[2,10]" in engine.lower(masked[-1]).as_text()  # the mask is an argument of the lowered sampler
