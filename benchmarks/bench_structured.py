@@ -36,10 +36,10 @@ import numpy as np  # noqa: E402
 from benchmarks.bench_engine import model_folder  # noqa: E402
 from benchmarks.presets import PRESETS  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
-from pocketjax.engine.plan import Signature, all_allowed, empty_plan  # noqa: E402
+from pocketjax.engine.plan import Signature, empty_plan  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams  # noqa: E402
 from pocketjax.engine.steps import sample_step  # noqa: E402
-from pocketjax.engine.structured import Structured  # noqa: E402
+from pocketjax.engine.structured import Structured, all_allowed  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 from pocketjax.serve.llm import DEFAULT_MODEL  # noqa: E402
 from pocketjax.serve.scheduler import Scheduler  # noqa: E402

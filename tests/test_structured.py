@@ -23,6 +23,7 @@ from pocketjax.errors import StructuredOutputError
 from pocketjax.serve.llm import DEFAULT_MODEL
 
 EOS = 256  # the tiny tokenizer's only special token, the tiny checkpoint's eos_token_id
+CHOICES = ["yes", "no", "naïve \"q\"", "日本"]  # quotes and non-ASCII
 OPTIONS = dict(max_batch_size=2, max_seq_len=32, prefill_chunk=16, min_kv_bucket=32, compile_cache_dir="off")
 SCHEMA = {
     "type": "object",
@@ -125,7 +126,7 @@ def test_every_constrained_output_validates_greedy_and_sampled():
         (pj.Structured(json_object=True), lambda t: isinstance(json.loads(t), dict)),
         (pj.Structured(regex=r"[0-9]{3}-[a-z]{2,6}( [A-Z])?"),
          lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,6}( [A-Z])?", t) is not None),
-        (pj.Structured(choice=["yes", "no", "naïve \"q\"", "日本"]), lambda t: t in ("yes", "no", "naïve \"q\"", "日本")),
+        (pj.Structured(choice=CHOICES), lambda t: t in CHOICES),
         (pj.Structured(grammar=lark), lambda t: re.fullmatch(r"\((?:[a-z]{1,4}|[0-9]{1,3})"
                                                              r"(?:,(?:[a-z]{1,4}|[0-9]{1,3})){0,3}\)", t) is not None),
     ]
@@ -155,7 +156,8 @@ def test_every_constrained_output_validates_greedy_and_sampled():
 def test_constrained_outputs_of_a_random_model_validate_and_never_use_ids_past_the_tokenizer(tiny):
     model, tok, engine, _ = tiny
     pattern = r"[ab]{2}-[0-9]{1,3}"
-    jobs = [([3, 4, 5], pj.SamplingParams(max_tokens=20, temperature=t, seed=s, structured=pj.Structured(regex=pattern)))
+    structured = pj.Structured(regex=pattern)
+    jobs = [([3, 4, 5], pj.SamplingParams(max_tokens=20, temperature=t, seed=s, structured=structured))
             for t in (0.0, 1.5) for s in range(4)]
     for handle in served(engine, jobs):
         out = handle.result()
@@ -294,4 +296,33 @@ def test_compiled_count_is_flat_after_warmup_for_a_mixed_workload(tiny):
     assert {c.step for c in masked} == {"sample_first_masked", "sample_next_masked"}
     assert len(masked) == len([c for c in calls if c.step in ("sample_first", "sample_next")])
     assert not any(c.step.endswith("_masked") for c in signatures(engine.rules))  # no tokenizer: not warmed
-    assert "s32[2,10]" in engine.lower(masked[-1]).as_text()  # the mask is an argument of the lowered sampler
+    assert "tensor<2x10xi32>" in engine.lower(masked[-1]).as_text()  # the mask is an argument of the lowered sampler
+
+
+def test_a_deferred_sampler_keeps_the_pending_step_rules(tiny):
+    model, tok, engine, warm = tiny
+    constrained = BatchedRequest("c", [3, 4], pj.SamplingParams(max_tokens=10, temperature=0.0,
+                                                                structured=pj.Structured(regex="[a-z]{10}")))
+    freed = BatchedRequest("f", [5, 6], pj.SamplingParams(max_tokens=10, temperature=0.0,
+                                                          structured=pj.Structured(regex="[0-9]{10}")))
+    for r in (constrained, freed):
+        engine.allocate_slot(r)
+    try:
+        engine.batch_prefill([constrained, freed])
+        n = engine.decode_dispatch([constrained, freed])  # host-fed: masks at dispatch
+        n1 = engine.decode_dispatch([constrained, freed], after=n)  # fed on device: its sampler waits for n
+        assert n1.logits is not None and n1.out is None
+        with pytest.raises(pj.errors.RequestError, match="collect that step first"):
+            engine.decode_dispatch([constrained, freed], after=n1)
+        with pytest.raises(pj.errors.RequestError, match="dispatch"):
+            engine.decode_collect(n1)
+        engine.free_slot("f")  # freed while its rows are in flight: dropped, and its deferred row touches nothing
+        assert engine.decode_collect(n)[1] is None and n1.logits is None and n1.out is not None
+        assert engine.decode_collect(n1)[1] is None
+        while not constrained.finished:
+            engine.batch_decode_step([constrained])
+    finally:
+        engine.free_slot("c")
+    assert len(freed.generated_tokens) == 1 and freed.finish_reason == "cancelled"  # its prefill token only
+    assert re.fullmatch("[a-z]{10}", text(tok, constrained.generated_tokens)) and constrained.finish_reason == "stop"
+    assert engine.compiled_count() == warm

@@ -23,6 +23,7 @@ import numpy as np
 
 from .request import BatchedRequest
 from .sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, pack_sampling
+from .structured import all_allowed
 
 Rows = Sequence[BatchedRequest | None]  # one request per row; None: padding, or a row left out
 
@@ -273,11 +274,6 @@ def decode_after(rules: StepRules, rows: Rows, plan: DecodePlan, sample: SampleP
 
 
 SAMPLERS = ("sample_first", "sample_next", "sample_first_masked", "sample_next_masked")
-
-
-def all_allowed(rows: int, vocab_size: int) -> np.ndarray:
-    """A token mask (`SamplePlan.allowed`) that allows every token of every row."""
-    return np.full((rows, (vocab_size + 31) // 32), -1, np.int32)
 
 
 # ---- every signature, and plans that write nothing (warm-up, Engine.lower, benchmarks) ---------------------------

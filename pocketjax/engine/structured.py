@@ -26,7 +26,6 @@ from ..errors import StructuredOutputError
 
 FIELDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 CACHE_SIZE = 256  # compiled constraints kept per engine (each a matcher in its start state; a few KB to MBs)
-ALL_ALLOWED = -1  # an int32 mask word with every bit set
 # Compact JSON: no free whitespace between tokens, so a model cannot spend its max_tokens on spaces and newlines
 # (llguidance's default allows any). A schema's own "x-guidance" options override this.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -110,6 +109,11 @@ class Structured:
             return LLMatcher.grammar_from_lark(self.grammar)
         except ValueError as error:
             raise StructuredOutputError(f"SamplingParams.structured.{self.kind}: {error}") from error
+
+
+def all_allowed(rows: int, vocab_size: int) -> np.ndarray:
+    """int32 [rows, ceil(vocab_size / 32)] token masks (`SamplePlan.allowed`) that allow every token."""
+    return np.full((rows, (vocab_size + 31) // 32), -1, np.int32)
 
 
 def as_structured(value: Any) -> Any:
@@ -198,7 +202,7 @@ class Constrainer:
         from llguidance.numpy import fill_next_token_bitmask_par
 
         self._ll_tokenizer()
-        out = np.full((len(rows), self.words), ALL_ALLOWED, np.int32)
+        out = all_allowed(len(rows), self.vocab_size)
         fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in live], out)
         for i, r in live:
             out[i] &= self._limit
@@ -208,7 +212,7 @@ class Constrainer:
                 else:
                     why = r.matcher.get_error() or "no token of the vocabulary is allowed"
                     self.fail(r, f"the grammar cannot continue after {len(r.generated_tokens)} tokens: {why}")
-                out[i] = ALL_ALLOWED
+                out[i] = -1  # every bit
         return out
 
     def advance(self, req: Any, token: int) -> bool:
