@@ -488,11 +488,14 @@ class Engine:
         """Compile every step shape this engine can call (`plan.signatures`), so no request waits for a compile;
         returns how many were new. Run it while nothing else drives the engine, and again after
         `allocate_batch_slots`. `prompt_logprobs` also compiles the prefill variant that scores prompt tokens
-        (otherwise compiled on first use). Slots, their cached tokens and the penalty state are unchanged."""
+        (otherwise compiled on first use). With a tokenizer, the masked samplers of structured outputs are compiled and
+        llguidance's tokenizer built too. Slots, their cached tokens and the penalty state are unchanged."""
         self.cache, self.penalties, new = warm_up(self.model.params, self.cache, self.penalties,
                                                   config=self.model.config, rules=self.rules, progress=progress,
                                                   prompt_logprobs=prompt_logprobs,
                                                   structured=self.constrainer is not None)
+        if self.constrainer is not None:  # llguidance's view of the vocabulary, built once
+            self.constrainer.prepare()
         return new
 
     def lower(self, signature: Signature) -> jax.stages.Lowered:

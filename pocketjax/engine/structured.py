@@ -20,7 +20,10 @@ from copy import copy
 from dataclasses import dataclass
 from typing import Any
 
+import llguidance
 import numpy as np
+from llguidance import LLMatcher
+from llguidance.numpy import fill_next_token_bitmask_par
 
 from ..errors import StructuredOutputError
 
@@ -95,8 +98,6 @@ class Structured:
     def grammar_text(self) -> str:
         """llguidance's grammar for this constraint (compiled by LLMatcher; raises StructuredOutputError when
         llguidance refuses its input outright)."""
-        from llguidance import LLMatcher
-
         try:
             if self.json_schema is not None:
                 return LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_OPTIONS)
@@ -151,10 +152,14 @@ class Constrainer:
         self._lock = threading.Lock()  # Engine.validate runs on submitting threads, masks on the loop's
         self._executor = None
 
-    def _ll_tokenizer(self) -> Any:
-        if self._ll is None:
-            import llguidance
+    def prepare(self) -> None:
+        """Build llguidance's tokenizer now (~1-3 s at Qwen's vocabulary) instead of at the first constrained request."""
+        with self._lock:
+            self._ll_tokenizer()
 
+    def _ll_tokenizer(self) -> Any:
+        """llguidance's tokenizer, built on first use (under the lock: by `compile` or `prepare`)."""
+        if self._ll is None:
             text, size = tokenizer_json(self.tokenizer)
             try:
                 self._ll = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
@@ -171,8 +176,6 @@ class Constrainer:
     def compile(self, structured: Structured) -> Any:
         """The compiled matcher of `structured` in its start state (cached); StructuredOutputError when it does not
         compile, with llguidance's message."""
-        from llguidance import LLMatcher
-
         with self._lock:
             if structured in self._compiled:
                 self._compiled.move_to_end(structured)
@@ -199,9 +202,6 @@ class Constrainer:
                 if r is not None and getattr(r, "matcher", None) is not None and not r.finished]
         if not live:
             return None
-        from llguidance.numpy import fill_next_token_bitmask_par
-
-        self._ll_tokenizer()
         out = all_allowed(len(rows), self.vocab_size)
         fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in live], out)
         for i, r in live:
