@@ -10,10 +10,18 @@ folder has a tokenizer; for a random-weight preset, on sequences sampled from th
 variants compute in float32 there, so the figure isolates the quantization error. Decode tok/s: greedy, warm (one
 untimed round compiles every shape), variants interleaved round by round over --repeats rounds; the best and the
 median round are reported. On a shared CPU box these numbers are noisy: compare within one run only.
+
+Outliers (`--outliers 30,300`, the default): the perplexity rows again on copies of the model whose two channels are
+planted 30x / 300x larger through every RMSNorm weight and their input columns of q/k/v and gate/up as much smaller
+(`presets.plant_outliers(compensate=True)`: the same float function, so the same float perplexity), the "massive
+activations" real Qwen checkpoints have and the embedded model lacks; each copy against its own float32 model, next to "int8 weights
+alone" (the int8-rounded weights in a float product), the error int8's integer product is to stay near.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import platform
 import statistics
@@ -28,7 +36,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pocketjax as pj  # noqa: E402
-from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from benchmarks.presets import PRESETS, build_preset, plant_outliers  # noqa: E402
 from pocketjax.model import quant  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
@@ -58,6 +66,33 @@ def weight_bytes(model: pj.Model) -> tuple[int, int]:
     """(bytes of the linear layers, bytes of every parameter)."""
     linear = sum(quant_nbytes(p[k]) for p in model.params["layers"] for k in quant.LINEAR_NAMES)
     return linear, sum(int(leaf.nbytes) for leaf in jax.tree.leaves(model.params))
+
+
+def one_digit(flat):
+    """The int8 activations as first landed (W8A8: one int8 digit per row, scale max|row| / 127), what two digits
+    replaced; `tests/test_quant.py` shows the outlier bounds fail with it."""
+    digits, step = TWO_DIGITS(flat)
+    return digits.at[flat.shape[0]:].set(0), step
+
+
+TWO_DIGITS = quant.activation_digits
+
+
+@contextlib.contextmanager
+def activations_as(digits_fn):
+    """Run int8 products with `digits_fn` as `quant.activation_digits` (jit caches cleared on the way in and out)."""
+    quant.activation_digits = digits_fn
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        quant.activation_digits = TWO_DIGITS
+        jax.clear_caches()
+
+
+def rounded(model: pj.Model) -> pj.Model:
+    """The model of its quantized weights' rounding alone: each dequantized, multiplied in float."""
+    return dataclasses.replace(model, params=quant.dequantize_params(model.params, model.dtype))
 
 
 def quant_nbytes(w) -> int:
@@ -148,6 +183,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--ppl-seqs", type=int, default=8)
     p.add_argument("--ppl-len", type=int, default=256)
+    p.add_argument("--outliers", default="30,300",
+                   help="also score copies of the model with two channels planted this many times larger through "
+                        "every RMSNorm weight (presets.plant_outliers: real Qwen checkpoints' massive activations); "
+                        "'' for none")
+    p.add_argument("--no-speed", action="store_true", help="skip the decode speed rounds (the slow part)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     folder = resolve_model(args.model)
@@ -180,24 +220,36 @@ def main() -> None:
     largest = max(int(np.prod(w.shape)) for p in model.params["layers"] for w in p.values()
                   if isinstance(w, quant.QuantizedWeight)) * 4
 
-    # perplexity
+    # perplexity: on the model, then on copies with planted outlier channels, each against its own float32 model
     tokens, source = eval_tokens(folder, config, args.ppl_seqs, args.ppl_len)
-    base = None
-    for mode in PPL_MODES:
-        ppl = perplexity(pj.load_model(folder, dtype="float32", quantize=mode), tokens)
-        base = base or ppl
-        records.append({"kind": "ppl", "variant": mode or "float32", "ppl": ppl, "increase": ppl / base - 1,
-                        "source": source})
-    float_model = pj.load_model(folder, dtype="float32")
-    for kv in KV_MODES:
-        ppl = perplexity(float_model, tokens, kv_dtype=kv)
-        records.append({"kind": "ppl", "variant": f"{kv} KV cache", "ppl": ppl, "increase": ppl / base - 1,
-                        "source": source})
+    planted = [(f"outliers x{f:g}", plant_outliers(folder, Path("/tmp/pocketjax-bench") / f"{folder.name}-x{f:g}", f,
+                                                    compensate=True))
+               for f in (float(x) for x in args.outliers.split(",") if x)]
+    for label, path in [("", folder)] + planted:
+        base = None
+        for mode in PPL_MODES + ["int8 weights alone", "int8, one digit (W8A8)"]:
+            if mode == "int8 weights alone":  # the int8-rounded weights in a float product: what int8 cannot beat
+                ppl = perplexity(rounded(pj.load_model(path, dtype="float32", quantize="int8")), tokens)
+            elif mode == "int8, one digit (W8A8)":  # int8 as first landed, for contrast
+                with activations_as(one_digit):
+                    ppl = perplexity(pj.load_model(path, dtype="float32", quantize="int8"), tokens)
+            else:
+                ppl = perplexity(pj.load_model(path, dtype="float32", quantize=mode), tokens)
+            base = base or ppl
+            records.append({"kind": "ppl", "variant": f"{mode or 'float32'}{', ' + label if label else ''}",
+                            "ppl": ppl, "increase": ppl / base - 1, "source": source})
+        if label:
+            continue
+        float_model = pj.load_model(folder, dtype="float32")
+        for kv in KV_MODES:
+            ppl = perplexity(float_model, tokens, kv_dtype=kv)
+            records.append({"kind": "ppl", "variant": f"{kv} KV cache", "ppl": ppl, "increase": ppl / base - 1,
+                            "source": source})
 
     # decode speed
     models = {f"{mode or dtype} ({dtype} compute)" + (f", {kv} KV" if kv else ""):
               (pj.load_model(folder, dtype=dtype, quantize=mode), kv) for dtype, mode, kv in SPEED_VARIANTS}
-    for c in (int(x) for x in args.concurrency.split(",")):
+    for c in ([] if args.no_speed else [int(x) for x in args.concurrency.split(",") if x]):
         for name, (best, median) in decode_speeds(models, c, args.prompt_len, args.gen_len, args.repeats).items():
             records.append({"kind": "decode", "variant": name, "concurrency": c, "decode_tok_s": best,
                             "decode_tok_s_median": median})
@@ -229,8 +281,10 @@ def print_table(machine: dict, records: list[dict]) -> None:
     print(f"\n| perplexity ({ppl[0]['source']}) | ppl | increase |\n|---|---|---|")
     for r in ppl:
         print(f"| {r['variant']} | {r['ppl']:.4f} | {100 * r['increase']:+.2f}% |")
-    print("\n| decode (noisy shared CPU) | concurrency | best tok/s | median tok/s |\n|---|---|---|---|")
-    for r in (r for r in records if r["kind"] == "decode"):
+    decode = [r for r in records if r["kind"] == "decode"]  # none with --no-speed
+    if decode:
+        print("\n| decode (noisy shared CPU) | concurrency | best tok/s | median tok/s |\n|---|---|---|---|")
+    for r in decode:
         print(f"| {r['variant']} | {r['concurrency']} | {r['decode_tok_s']:.1f} | {r['decode_tok_s_median']:.1f} |")
 
 

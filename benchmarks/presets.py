@@ -59,12 +59,21 @@ def build_preset(name: str, folder: str | Path, dtype: str = "float32", seed: in
 OUTLIER_CHANNELS = (7, 100)
 
 
-def plant_outliers(src: str | Path, dst: str | Path, factor: float, channels: tuple[int, ...] = OUTLIER_CHANNELS
-                   ) -> Path:
+# the projections each RMSNorm feeds: what `plant_outliers(compensate=True)` scales back
+NORM_CONSUMERS = {"input_layernorm": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                  "post_attention_layernorm": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def plant_outliers(src: str | Path, dst: str | Path, factor: float, channels: tuple[int, ...] = OUTLIER_CHANNELS,
+                   compensate: bool = False) -> Path:
     """A copy of checkpoint `src` in `dst` whose every layer's input and post-attention RMSNorm weights are `factor`
     times larger at `channels`: the inputs of q/k/v and gate/up then carry those few channels `factor` times larger at
     every token, the "massive activations" real Qwen checkpoints have (LLM.int8(); Sun et al. 2024). The float model
-    stays a valid model; only quantized products that share one step across a row's channels notice."""
+    stays a valid model; only quantized products that share one step across a row's channels notice.
+
+    `compensate` also divides those channels' input columns of q/k/v and gate/up by `factor` (SmoothQuant run
+    backwards), so the float model computes the same function as `src` up to rounding: a trained model keeps its
+    perplexity, and what a quantized variant loses on the copy is the outliers' cost alone."""
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -72,6 +81,8 @@ def plant_outliers(src: str | Path, dst: str | Path, factor: float, channels: tu
         array = np.array(f.tensor(name))
         if name.endswith(("input_layernorm.weight", "post_attention_layernorm.weight")):
             array[list(channels)] *= factor
+        elif compensate and any(name.endswith(f"{m}.weight") for ms in NORM_CONSUMERS.values() for m in ms):
+            array[:, list(channels)] /= factor
         tensors[name] = array
     write_safetensors(dst / "model.safetensors", tensors)
     for extra in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):

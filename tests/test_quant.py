@@ -14,6 +14,7 @@ from pocketjax.model.checkpoint import open_checkpoint, write_safetensors
 from pocketjax.errors import ConfigError
 from pocketjax.model.prequantized import AWQ_ORDER
 from pocketjax.model.quant import QuantizedWeight
+from benchmarks.bench_quant import one_digit
 
 
 def rel_err(a, b) -> float:
@@ -305,16 +306,6 @@ def test_int8_product_is_an_integer_dot_within_the_activation_rounding(rows):
         "not one s8 x s8 -> s32 dot over both digits of every row (the weight on the left for decode batches)"
 
 
-TWO_DIGITS = quant.activation_digits
-
-
-def one_digit(flat):
-    """The int8 activations as first landed (W8A8: one int8 digit per row, scale max|row| / 127), to show what the
-    outlier tests catch."""
-    digits, step = TWO_DIGITS(flat)
-    return digits.at[flat.shape[0]:].set(0), step
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows", [1, 8, 100])
 def test_int8_product_error_stays_near_the_weight_rounding_with_outlier_channels(rows, dtype, monkeypatch):
@@ -346,9 +337,7 @@ DECODE_TOKENS = np.random.default_rng(8).integers(0, 300, size=(8, 1))  # 8 rows
 def rounded_weights(model: pj.Model) -> pj.Model:
     """The model of the int8-rounded weights alone: every QuantizedWeight replaced by its float dequantization."""
     import dataclasses
-    params = jax.tree.map(lambda w: quant.dequantize(w, model.dtype) if isinstance(w, QuantizedWeight) else w,
-                          model.params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
-    return dataclasses.replace(model, params=params)
+    return dataclasses.replace(model, params=quant.dequantize_params(model.params, model.dtype))
 
 
 @pytest.mark.parametrize("factor", [1, 30, 300])

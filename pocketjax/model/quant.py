@@ -187,6 +187,21 @@ def dequantize(w: QuantizedWeight, dtype=jnp.float32) -> jax.Array:
     return q.reshape(*q.shape[:-2], -1).astype(dtype)
 
 
+def dequantize_params(params: Any, dtype=jnp.float32) -> Any:
+    """`params` with every QuantizedWeight replaced by its float dequantization: the model of the rounded weights
+    alone, the reference a quantized product's error is measured against (tests/test_quant.py, bench_quant.py).
+    Weights stored in a permuted column order (GPTQ desc_act) are put back in the input order."""
+    def leaf(w: Any) -> Any:
+        if not isinstance(w, QuantizedWeight):
+            return w
+        dense = dequantize(w, dtype)
+        if w.perm is None:
+            return dense
+        return jnp.zeros_like(dense).at[..., jnp.asarray(w.perm)].set(dense)  # stored column j is input perm[j]
+
+    return jax.tree.map(leaf, params, is_leaf=lambda w: isinstance(w, QuantizedWeight))
+
+
 def has_integer_product(w: QuantizedWeight) -> bool:
     """Whether `int8_product` computes x @ w.T: per-channel symmetric int8, on CPU (where XLA has the fast s8 dot)."""
     return w.bits == 8 and w.zero is None and w.scale.shape[-1] == 1 and jax.default_backend() == "cpu"
