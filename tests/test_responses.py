@@ -95,6 +95,8 @@ def test_messages_and_instructions_streamed(llm, client):
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"max_output_tokens": CONTEXT}, "max_output_tokens"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),  # the other endpoints' constraint fields
+    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_unsupported_fields_are_400_naming_them(server, client, extra, param):
     body = {"model": NAME, "input": "x", **extra}

@@ -57,6 +57,9 @@ class ResponsesRequest(SamplingFields):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1, le=1)
+    # the other endpoints' constraint fields: they would change the output, so they are refused here by name
+    response_format: Any = None
+    structured_outputs: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -72,7 +75,11 @@ class ResponsesRequest(SamplingFields):
                        ("background", bool(self.background), "background responses need storage"),
                        ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported on /v1/responses; "
                                                                  "use /v1/chat/completions"),
-                       ("stream_options", self.stream_options is not None, "stream_options is not supported")]
+                       ("stream_options", self.stream_options is not None, "stream_options is not supported"),
+                       ("response_format", self.response_format is not None,
+                        "is spelled text.format on /v1/responses"),
+                       ("structured_outputs", self.structured_outputs is not None,
+                        "is not supported on /v1/responses: use text.format, or /v1/chat/completions")]
         for param, refused, why in unsupported:
             if refused:
                 raise APIError(400, f"{param}: {why}", param=param)
