@@ -9,6 +9,7 @@ from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.request import BatchedRequest, Completion
 from .engine.sampling import SamplingParams
+from .engine.structured import Structured
 from .model.config import ModelConfig
 from .model.decoder import Model, load_model, logits, loss
 from .model.memory import MemoryPlan, plan_memory
@@ -17,7 +18,7 @@ from .serve.scheduler import RequestHandle, Scheduler
 
 __all__ = [
     "errors", "ModelConfig", "EngineConfig", "Model", "load_model", "logits", "Engine", "BatchedRequest",
-    "Completion", "SamplingParams", "Scheduler", "RequestHandle", "LLM", "Score", "loss", "MemoryPlan",
+    "Completion", "SamplingParams", "Structured", "Scheduler", "RequestHandle", "LLM", "Score", "loss", "MemoryPlan",
     "plan_memory",
 ]
 __version__ = "0.1.0"

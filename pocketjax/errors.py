@@ -21,6 +21,11 @@ class SamplingError(RequestError):
     """A sampling parameter is out of its documented range."""
 
 
+class StructuredOutputError(RequestError):
+    """A structured-output constraint does not compile (a bad JSON schema, regex or grammar), the engine has no
+    tokenizer to compile it with, or the grammar reached a point where no token of the vocabulary is allowed."""
+
+
 class NumericsError(PocketJaxError, ArithmeticError):
     """The model computed non-finite logits for a request (a broken checkpoint, or a hook that made them NaN): that
     request fails, the others sharing its steps go on."""

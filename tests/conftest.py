@@ -10,6 +10,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", False)
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -203,6 +204,63 @@ def hf_checkpoint(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+# The official Qwen tokenizers (tests/fixtures/README.md) under a tiny random body: Qwen3's and Qwen2.5's real
+# vocabulary (151,936 rows, the tokenizer's 151,669 tokens padded as the released models pad them) and their chat
+# templates with tools, so structured outputs and tool calls run against the token pieces real models use.
+QWEN_TOKENIZERS: dict[str, tuple[str, dict]] = {
+    "qwen3": ("qwen3_kv1", dict(num_key_value_heads=2)),
+    "qwen2.5": ("qwen2_gqa2_tied", {}),
+}
+QWEN_VOCAB = 151936
+QWEN_EOS, QWEN_PAD = 151645, 151643  # <|im_end|>, <|endoftext|>: the released generation_config's eos ids
+
+
+def unpack_qwen_tokenizer(name: str, folder: Path) -> Path:
+    """tokenizer.json and tokenizer_config.json of `name` ("qwen3", "qwen2.5") decompressed into `folder`."""
+    import lzma
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for packed in sorted((FIXTURES / name).glob("*.json.xz")):
+        (folder / packed.name.removesuffix(".xz")).write_bytes(lzma.decompress(packed.read_bytes()))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen_checkpoint(tmp_path_factory):
+    """qwen_checkpoint("qwen3" | "qwen2.5") -> folder of a random-weight checkpoint of that family's shape (hidden
+    64, 2 layers, 4 heads, 2 KV heads, tied embeddings) with the official tokenizer and its 151,936-row vocabulary,
+    built once per session."""
+    cache: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            base, overrides = QWEN_TOKENIZERS[name]
+            folder = tmp_path_factory.mktemp(name.replace(".", "_"))
+            build_hf_checkpoint(folder, base, vocab_size=QWEN_VOCAB, bos_token_id=QWEN_PAD, eos_token_id=QWEN_EOS,
+                                **overrides)
+            generation = json.loads((folder / "generation_config.json").read_text())
+            generation |= {"bos_token_id": QWEN_PAD, "eos_token_id": [QWEN_EOS, QWEN_PAD], "pad_token_id": QWEN_PAD}
+            (folder / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+            cache[name] = unpack_qwen_tokenizer(name, folder)
+        return cache[name]
+
+    return make
+
+
+@contextlib.contextmanager
+def served(llm, api_key: str | None = None, **app_options):
+    """(BackgroundServer, openai.OpenAI client) of `llm` served on 127.0.0.1 (`create_app(llm, api_key=api_key,
+    **app_options)`) while the block runs: the client never retries, so a test sees every status as sent."""
+    import openai
+
+    from pocketjax.serve.server import BackgroundServer, create_app
+
+    with BackgroundServer(create_app(llm, api_key=api_key, **app_options)) as server:
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key=api_key or "unused", max_retries=0,
+                                    timeout=120)
 
 
 @pytest.fixture

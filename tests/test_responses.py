@@ -87,12 +87,16 @@ def test_messages_and_instructions_streamed(llm, client):
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
-    ({"text": {"format": {"type": "json_object"}}}, "text"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text"),  # no name
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
+    ({"text": {"verbosity": "low"}}, "text"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"max_output_tokens": CONTEXT}, "max_output_tokens"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),  # the other endpoints' constraint fields
+    ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
 def test_unsupported_fields_are_400_naming_them(server, client, extra, param):
     body = {"model": NAME, "input": "x", **extra}

@@ -1,4 +1,5 @@
-"""Tokenizer, chat template and streaming helpers, checked against transformers on a tokenizer trained here."""
+"""Tokenizer, chat template and streaming helpers, checked against transformers on a tokenizer trained here and on
+the official Qwen3 and Qwen2.5 tokenizers (tests/fixtures)."""
 import json
 import random
 import shutil
@@ -33,63 +34,6 @@ STRINGS = [
     "\u00a0non-breaking\u2003em space\u200bzero-width",
     "a" * 300,
 ]
-
-# The chat template of Qwen2.5-Instruct's tokenizer_config.json (Apache-2.0), tools branch included.
-QWEN25_TEMPLATE = """{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\\n<tool_call>\\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
 
 # Exercises the environment itself: tojson's options and non-ASCII, namespace, loop controls, dict(),
 # strftime_now, the generation tag, the special-token variables, and undefined vs None.
@@ -187,32 +131,74 @@ def test_chatml_template_matches_transformers(tok, hf, messages, generation_prom
                                                       return_dict=False)
 
 
+# A tool conversation as OpenAI clients send it back: the call's arguments as a JSON string, the result with its
+# tool_call_id. pocketjax.serve.tool_calls.template_messages turns it into the form the Qwen templates read.
+THREE_TURNS = [
+    {"role": "user", "content": "Weather in Zürich?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "{\"temperature\": 12}"},
+]
+
+
 @pytest.fixture(scope="module")
-def qwen25_folder(folder, tmp_path_factory):
-    path = tmp_path_factory.mktemp("qwen25")
-    shutil.copy(folder / "tokenizer.json", path)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    config["chat_template"] = QWEN25_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    return path
+def official(qwen_checkpoint):
+    """official(name) -> pocketjax's Tokenizer of that official Qwen tokenizer, loaded once."""
+    cache = {}
+
+    def load(name: str) -> Tokenizer:
+        if name not in cache:
+            cache[name] = Tokenizer.from_folder(qwen_checkpoint(name))
+        return cache[name]
+
+    return load
 
 
-@pytest.mark.parametrize("case", ["system", "default_system", "no_prompt", "tools", "tool_calls"])
-def test_real_qwen25_template_matches_transformers(qwen25_folder, case):
-    tok = Tokenizer.from_folder(qwen25_folder)
-    hf = transformers.AutoTokenizer.from_pretrained(str(qwen25_folder))
+@pytest.fixture(scope="module")
+def official_hf(qwen_checkpoint):
+    """official_hf(name) -> transformers' tokenizer of the same files (the reference), loaded once."""
+    cache = {}
+
+    def load(name: str):
+        if name not in cache:
+            cache[name] = transformers.AutoTokenizer.from_pretrained(str(qwen_checkpoint(name)))
+        return cache[name]
+
+    return load
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5"])
+def test_official_qwen_tokenizers_load(official, name):
+    tok = official(name)
+    assert tok.vocab_size == {"qwen3": 151669, "qwen2.5": 151665}[name]
+    assert tok.eos_token_id == 151645 and tok.pad_token_id == 151643 and tok.bos_token_id is None
+    assert tok.token_id("<tool_call>") == 151657 and tok.token_id("</tool_call>") == 151658
+    ids = tok.encode("<|im_start|>user\nhéllo 你好<|im_end|>")
+    assert ids[0] == 151644 and ids[-1] == 151645 and tok.decode(ids) == "user\nhéllo 你好"
+    assert tok.decode([151657]) == "<tool_call>"  # not special: a tool call's markup survives decoding
+
+
+@pytest.mark.parametrize("case", ["system", "default_system", "no_prompt", "tools", "tool_calls", "three_turns"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen2.5"])
+def test_official_qwen_templates_match_transformers(official, official_hf, name, case):
+    tok, hf = official(name), official_hf(name)
     kwargs = {
         "system": dict(conversation=CONVERSATION),
         "default_system": dict(conversation=CONVERSATION[1:]),
         "no_prompt": dict(conversation=CONVERSATION[:3], add_generation_prompt=False),
         "tools": dict(conversation=CONVERSATION, tools=TOOLS),
         "tool_calls": dict(conversation=TOOL_CONVERSATION, tools=TOOLS),
+        "three_turns": dict(conversation=THREE_TURNS, tools=TOOLS),
     }[case]
     kwargs.setdefault("add_generation_prompt", True)
     expected = hf.apply_chat_template(tokenize=False, **kwargs)
-    assert tok.apply_chat_template(kwargs.pop("conversation"), **kwargs) == expected
-    if case == "tool_calls":
-        assert '{"name": "get_weather", "arguments": {"city": "Zürich"}}' in expected
+    ours = tok.apply_chat_template(kwargs.pop("conversation"), **kwargs)
+    assert ours == expected
+    assert tok.encode(ours) == hf(expected, add_special_tokens=False)["input_ids"]
+    if case in ("tool_calls", "three_turns"):
+        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>' in expected
+    if case == "three_turns":
+        assert '<tool_response>\n{"temperature": 12}\n</tool_response>' in expected
 
 
 @pytest.mark.parametrize("kwargs", [{"add_generation_prompt": True}, {"add_generation_prompt": False},

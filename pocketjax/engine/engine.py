@@ -8,7 +8,7 @@ one before (the Scheduler's policy); `batch_decode_step` does both.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..errors import CapacityError, ConfigError, RequestError, SamplingError
+from ..errors import CapacityError, ConfigError, RequestError, SamplingError, StructuredOutputError
 from ..model.config import read_generation_eos
 from ..model.decoder import Hook, Model
 from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
@@ -24,12 +24,13 @@ from ..model.layers import resolve_impl
 from ..model.memory import check_fits, plan_memory
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
-from .plan import (DecodePlan, SamplePlan, Signature, StepRules, VerifyPlan, VerifySamplePlan, decode_after,
-                   decode_from_host, empty_plan, prefill_plans, scored_positions, verify_plans)
+from .plan import (SAMPLERS, DecodePlan, SamplePlan, Signature, StepRules, VerifyPlan, VerifySamplePlan,
+                   decode_after, decode_from_host, empty_plan, prefill_plans, scored_positions, verify_plans)
 from .request import BatchedRequest, RequestStatus
 from .sampling import SampleOutput, SamplingParams
 from .slots import SlotTable
 from .speculative import Speculator, drafts_nothing
+from .structured import Constrainer
 from .steps import (Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step, verify_sample_step,
                     verify_step)
 from .warmup import compiled_count, warmup as warm_up
@@ -49,6 +50,11 @@ class PendingDecode:
     out: SampleOutput | None = None  # None when no row was active (nothing was dispatched) or once collected
     previous: PendingDecode | None = None  # the step whose tokens fed this one, until this one is collected
     results: list[int | None] | None = None  # set by decode_collect
+    # Structured outputs: a step fed on device whose rows include constrained ones queues its forward pass only;
+    # its logits wait here for the masks, which need the previous step's tokens, and `decode_collect` of that step
+    # queues the sampler (`following` links it to this one until then).
+    logits: Any = None
+    following: PendingDecode | None = None
 
     @property
     def collected(self) -> bool:
@@ -94,8 +100,8 @@ def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
 def logprob_entry(out: SampleOutput, index: int | tuple[int, ...], n: int) -> tuple[float, dict[int, float]]:
     """One token's (raw logprob, {top id: logprob} of its n best) from host `out` at `index` (row, or row and
     position): the format of `BatchedRequest.logprobs` and `.prompt_logprobs`."""
-    ids, values = out.top_ids[index][:n], out.top_logprobs[index][:n]
-    return float(out.logprobs[index]), {int(t): float(lp) for t, lp in zip(ids, values)}
+    ids, values = out.top_ids[index][:n], out.top_logprobs[index][:n]  # -inf: a token a grammar disallowed
+    return float(out.logprobs[index]), {int(t): float(lp) for t, lp in zip(ids, values) if lp != -np.inf}
 
 
 def read_eos_ids(model: Model) -> frozenset[int]:
@@ -111,9 +117,12 @@ class Engine:
 
     Options are EngineConfig's fields (max_batch_size, max_seq_len, prefill_chunk, attention_impl, kv_dtype, ...),
     given as keywords or as `config`. A slot that is freed keeps its cached tokens until it is reused (`SlotTable`).
+    `tokenizer` (a pocketjax Tokenizer or a tokenizers.Tokenizer) lets the engine serve structured outputs
+    (`SamplingParams.structured`): the constraints are compiled against its tokens' bytes.
     """
 
-    def __init__(self, model: Model, config: EngineConfig | None = None, *, seed: int = 0, **options: Any):
+    def __init__(self, model: Model, config: EngineConfig | None = None, *, seed: int = 0, tokenizer: Any = None,
+                 **options: Any):
         self.model = model
         self.config = EngineConfig.of(config, **options)
         if self.config.compile_cache_dir not in (None, OFF):  # asked for: process-wide, as JAX's cache is
@@ -129,7 +138,14 @@ class Engine:
         self.checked_hooks: set[Hook] = set()
         spec = self.config.speculative
         self.speculator = Speculator(spec) if spec is not None else None  # None: no speculative decoding
+        self.constrainer: Constrainer | None = None
+        self.use_tokenizer(tokenizer)
         self.allocate_batch_slots(self.config.max_batch_size)
+
+    def use_tokenizer(self, tokenizer: Any) -> None:
+        """Serve structured outputs with this tokenizer's tokens (None: refuse them); kept once set."""
+        if tokenizer is not None and self.constrainer is None:
+            self.constrainer = Constrainer(tokenizer, self.model.config.vocab_size, self.eos_ids)
 
     # ---- slots -------------------------------------------------------------------------------------------------
     def supports_batching(self) -> bool:
@@ -239,6 +255,17 @@ class Engine:
             raise RequestError(f"request {req.request_id!r}: sampling must be a SamplingParams")
         req.sampling.validate(vocab)
         self._check_hook(req)
+        self._check_structured(req)
+
+    def _check_structured(self, req: BatchedRequest) -> None:
+        """Compile a request's constraint (cached per constraint): StructuredOutputError if it does not compile or
+        this engine has no tokenizer, so it fails its own request at submit instead of a batch."""
+        if req.sampling.structured is None:
+            return
+        if self.constrainer is None:
+            raise StructuredOutputError(f"request {req.request_id!r}: structured outputs need an engine with a "
+                                        f"tokenizer (Engine(model, tokenizer=...); LLM passes its own)")
+        self.constrainer.compile(req.sampling.structured)
 
     def _check_hook(self, req: BatchedRequest) -> None:
         """Trace a request's hook once (`jax.eval_shape`, no compile) on a [2, 3, hidden] stream, with the layer index
@@ -294,6 +321,8 @@ class Engine:
             self._slot(req)
             if req.seed is None:
                 req.seed = req.sampling.seed if req.sampling.seed is not None else int(self.rng.integers(2**32))
+            if req.sampling.structured is not None and req.matcher is None:
+                req.matcher = self.constrainer.start(req.sampling.structured)
         results: dict[int, int] = {}
         while True:
             pending = [r for r in requests if r.status is RequestStatus.PREFILLING]
@@ -320,6 +349,9 @@ class Engine:
             if req.sampling.prompt_logprobs is not None and req.num_prefilled == 0:
                 req.prompt_logprobs = [None]  # the first prompt token has no context
         plan, first = prefill_plans(self.rules, chunks)
+        if first is not None:  # the first token's masks: each constrained matcher's start state
+            ending = [r if first.rows_on[i] else None for i, (r, _) in enumerate(chunks)]
+            first = self._constrain(first, ending + [None] * (plan.rows - len(chunks)))
         self.cache, logits, prompt_out = prefill_step(self.model.params, self.cache, plan, config=self.model.config,
                                                       impl=self.impl)
         for req, n in chunks:
@@ -330,7 +362,8 @@ class Engine:
         if prompt_out is not None:
             self._deliver_prompt_logprobs(chunks, prompt_out)
         if first is not None:
-            self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if first.rows_on[i]], out, results)
+            self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if first.rows_on[i] and not r.finished],
+                          out, results)
 
     @staticmethod
     def _deliver_prompt_logprobs(chunks: list[tuple[BatchedRequest, int]], out: SampleOutput) -> None:
@@ -380,6 +413,8 @@ class Engine:
         if step.previous is not None and not step.previous.collected:
             raise RequestError("collect decode steps in the order they were dispatched")
         step.previous = None
+        if step.logits is not None:  # its sampler still waits (the previous collect did not queue it)
+            self._sample_deferred(step)
         present = [(i, r) for i, r in enumerate(step.rows) if r is not None]
         for _, r in present:
             r.in_flight -= 1
@@ -392,21 +427,31 @@ class Engine:
             for slot, token in fed:  # recorded once its row is kept, so a discarded row leaves no trace
                 self.slots.tokens[slot].append(token)
         step.results, step.out = [results.get(id(r)) for r in step.requests], None
+        if step.following is not None:  # its masks need the tokens just delivered: queue its sampler now
+            following, step.following = step.following, None
+            if following.logits is not None:
+                self._sample_deferred(following)
         return step.results
 
     def _fed_from_host(self, requests: Sequence[BatchedRequest], running: list[BatchedRequest]) -> PendingDecode:
         """A step over `running`, its input tokens read from the requests."""
         rows, plan, sample = decode_from_host(self.rules, running, lambda slot: len(self.slots.tokens[slot]))
-        return PendingDecode(list(requests), rows, plan, sample)
+        return PendingDecode(list(requests), rows, plan, self._constrain(sample, rows))
 
     def _fed_on_device(self, after: PendingDecode, requests: Sequence[BatchedRequest],
                        running: list[BatchedRequest]) -> PendingDecode:
         """`after`'s rows, one position and one step further, minus requests its tokens end by length; its
         sampled tokens (on device) as the input."""
         keep = [r for r in running if not self._reaches_length(r, len(r.generated_tokens) + r.in_flight)]
+        if after.logits is not None:
+            raise RequestError("after= is a step whose sampler waits for the step before it (it has constrained "
+                               "rows): collect that step first")
         tokens = after.out.tokens if after.out is not None else None
         rows, plan, sample = decode_after(self.rules, after.rows, after.plan, after.sample, keep, tokens)
-        return PendingDecode(list(requests), rows, plan, sample, previous=after)
+        step = PendingDecode(list(requests), rows, plan, sample, previous=after)
+        if any(r is not None and r.matcher is not None for r in rows):
+            after.following = step  # its sampler is queued when `after` is collected (`_dispatch` defers it)
+        return step
 
     def _dispatch(self, step: PendingDecode) -> PendingDecode:
         """Queue the forward pass and the sampler over `step`'s rows (nothing when no row is active)."""
@@ -415,7 +460,10 @@ class Engine:
             return step
         self.cache, logits = decode_step(self.model.params, self.cache, step.plan, config=self.model.config,
                                          impl=self.impl)
-        self.penalties, step.out = sample_step(self.penalties, logits, step.sample)
+        if step.previous is not None and step.previous.following is step:
+            step.logits = logits  # constrained rows: the sampler waits for the previous step's tokens
+        else:
+            self.penalties, step.out = sample_step(self.penalties, logits, step.sample)
         for r in present:
             r.in_flight += 1
         return step
@@ -510,6 +558,22 @@ class Engine:
         by_id = {id(r): new for r, new in zip(running, self.verify_collect(self.verify_dispatch(running, drafts)))}
         return [by_id.get(id(r)) for r in requests]
 
+    # ---- structured outputs ----------------------------------------------------------------------------------
+    def _constrain(self, sample: SamplePlan, rows: list[BatchedRequest | None]) -> SamplePlan:
+        """`sample` with the token masks of its constrained rows (None: no row is constrained, today's program)."""
+        if self.constrainer is None:
+            return sample
+        return replace(sample, allowed=self.constrainer.masks(rows))
+
+    def _sample_deferred(self, step: PendingDecode) -> None:
+        """Queue the sampler of a step whose forward pass ran before its constrained rows' masks were known (their
+        matchers have taken the previous step's tokens now). Rows whose request ended since are not counted in
+        their slot's penalty state (their tokens are discarded)."""
+        on = np.array([r is not None and not r.finished for r in step.rows])
+        sample = self._constrain(replace(step.sample, rows_on=step.sample.rows_on & on), step.rows)
+        logits, step.logits = step.logits, None
+        self.penalties, step.out = sample_step(self.penalties, logits, sample)
+
     # ---- shared --------------------------------------------------------------------------------------------------
     def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
         """Move sampled tokens to the host (one transfer) and append them to their requests; end finished ones."""
@@ -518,13 +582,15 @@ class Engine:
             results[id(req)] = self._append_token(req, out, i)
 
     def _append_token(self, req: BatchedRequest, out: SampleOutput, index: int | tuple[int, int]) -> int:
-        """Append the token at `index` of host `out` (with its logprobs) to req; end req on a stop token or its
-        length. Returns the token."""
+        """Append the token at `index` of host `out` (with its logprobs) to req; end req on a stop token, its grammar's
+        end or its length. Returns the token."""
         token = int(out.tokens[index])
         req.logprobs.append(logprob_entry(out, index, req.sampling.logprobs))
         req.generated_tokens.append(token)
         req.last_token = token
         sp = req.sampling
+        if req.matcher is not None and self.constrainer.advance(req, token):
+            return token  # the grammar ended it: "stop", or "error" (req.error)
         if token in sp.stop_token_ids or (not sp.ignore_eos and token in self.eos_ids):
             req.finish("stop")
         elif self._reaches_length(req, len(req.generated_tokens)):
@@ -541,10 +607,14 @@ class Engine:
         """Compile every step shape this engine can call (`plan.signatures`), so no request waits for a compile;
         returns how many were new. Run it while nothing else drives the engine, and again after
         `allocate_batch_slots`. `prompt_logprobs` also compiles the prefill variant that scores prompt tokens
-        (otherwise compiled on first use). Slots, their cached tokens and the penalty state are unchanged."""
+        (otherwise compiled on first use). With a tokenizer, the masked samplers of structured outputs are compiled and
+        llguidance's tokenizer built too. Slots, their cached tokens and the penalty state are unchanged."""
         self.cache, self.penalties, new = warm_up(self.model.params, self.cache, self.penalties,
                                                   config=self.model.config, rules=self.rules, progress=progress,
-                                                  prompt_logprobs=prompt_logprobs)
+                                                  prompt_logprobs=prompt_logprobs,
+                                                  structured=self.constrainer is not None)
+        if self.constrainer is not None:  # llguidance's view of the vocabulary, built once
+            self.constrainer.prepare()
         return new
 
     def lower(self, signature: Signature) -> jax.stages.Lowered:
@@ -556,7 +626,7 @@ class Engine:
             return prefill_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
         if signature.step in ("decode", "decode_fed"):
             return decode_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
-        if signature.step in ("sample_first", "sample_next"):
+        if signature.step in SAMPLERS:
             logits = jax.ShapeDtypeStruct((signature.rows, self.model.config.vocab_size), self.model.dtype)
             return sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
         if signature.step == "copy_prefix":
@@ -568,7 +638,7 @@ class Engine:
             logits = jax.ShapeDtypeStruct((signature.rows, signature.width, c.vocab_size), jnp.float32)
             return verify_sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
         raise RequestError(f"no step {signature.step!r} (a plan.Signature names prefill, prefill_scored, decode, "
-                           f"decode_fed, sample_first, sample_next, copy_prefix, verify or sample_verify)")
+                           f"decode_fed, {', '.join(SAMPLERS)}, copy_prefix, verify or sample_verify)")
 
     def compiled_count(self) -> int:
         """How many call signatures the step functions hold so far (a steady workload must not add any).

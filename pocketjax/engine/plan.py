@@ -23,6 +23,7 @@ import numpy as np
 
 from .request import BatchedRequest
 from .sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, pack_sampling
+from .structured import all_allowed
 
 Rows = Sequence[BatchedRequest | None]  # one request per row; None: padding, or a row left out
 
@@ -136,6 +137,9 @@ class SamplePlan:
     steps: Any  # int32 [rows]: index of the token each row generates (the random stream's key is (seed, step))
     sampling: SamplingArrays
     prompt_masks: Any = None  # bool [rows, vocab]: each ending prompt's tokens; None for decode rows
+    # int32 [rows, ceil(vocab / 32)]: the tokens each row may take (structured outputs; unconstrained rows all
+    # ones); None when no row of the step is constrained, so such steps keep their treedef and programs
+    allowed: Any = None
     num_top: int = static(0)  # top logprobs returned per row
 
     @property
@@ -327,23 +331,28 @@ def decode_after(rules: StepRules, rows: Rows, plan: DecodePlan, sample: SampleP
                                 np.where(active, sample.steps + 1, 0)))
 
 
+SAMPLERS = ("sample_first", "sample_next", "sample_first_masked", "sample_next_masked")
+
+
 # ---- every signature, and plans that write nothing (warm-up, Engine.lower, benchmarks) ---------------------------
 
 class Signature(NamedTuple):
     """One step call shape: `step` over `rows` rows (0: not a batch); the other fields where the step has them."""
 
     step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode, decode_fed (input tokens on device),
-    # sample_next, copy_prefix, verify (speculative: every position's logits), sample_verify
+    # sample_next, copy_prefix; sample_first_masked / sample_next_masked: the samplers with `allowed` masks;
+    # verify (speculative: every position's logits), sample_verify
     rows: int = 0
     width: int = 0  # prefill chunk bucket (verify: its width, k + 1)
     kv_len: int = 0  # attention length bucket
     num_top: int = 0  # top logprobs the sampler returns
 
 
-def signatures(rules: StepRules, prompt_logprobs: bool = False) -> list[Signature]:
+def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool = False) -> list[Signature]:
     """Every step signature an engine with these rules can call; each sampler follows a forward step over its rows,
     each device-fed decode a sampler. `prompt_logprobs` adds the prefill variant that scores prompt tokens (one per
-    prefill shape: as many compiles again as the plain prefill, which is why it is opt-in)."""
+    prefill shape: as many compiles again as the plain prefill, which is why it is opt-in); `structured` the
+    samplers with token masks (an engine that can serve structured outputs: it has a tokenizer)."""
     if rules.max_seq_len < 2:  # no prompt fits: nothing ever runs
         return []
     rows = sorted({rules.rows(n) for n in range(1, rules.num_slots + 1)})
@@ -357,9 +366,10 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False) -> list[Signatur
     for r in rows:
         prefill = [Signature("prefill", r, w, k) for w, n in sorted(shortest.items()) for k in kv_lens if k >= kv[n]]
         calls += prefill + ([c._replace(step="prefill_scored") for c in prefill] if prompt_logprobs else [])
-        calls += [Signature("sample_first", r, num_top=t) for t in tops]
+        masked = ("", "_masked") if structured else ("",)
+        calls += [Signature("sample_first" + m, r, num_top=t) for m in masked for t in tops]
         calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
-        calls += [Signature("sample_next", r, num_top=t) for t in tops]
+        calls += [Signature("sample_next" + m, r, num_top=t) for m in masked for t in tops]
         calls += [Signature("decode_fed", r, kv_len=k) for k in kv_lens]
         if rules.verify_width:
             w = rules.verify_width
@@ -387,10 +397,11 @@ def empty_plan(rules: StepRules, call: Signature, tokens: Any = None
         slots = np.arange(r, dtype=np.int32) if dense else zeros
         fed = zeros if tokens is None else tokens
         return DecodePlan(fed, slots, zeros, np.zeros(r, bool), kv_len=call.kv_len, dense=dense)
-    if call.step in ("sample_first", "sample_next"):
+    if call.step in SAMPLERS:
         sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
-        masks = np.zeros((r, rules.vocab_size), bool) if call.step == "sample_first" else None
-        return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, num_top=call.num_top)
+        masks = np.zeros((r, rules.vocab_size), bool) if call.step.startswith("sample_first") else None
+        allowed = all_allowed(r, rules.vocab_size) if call.step.endswith("_masked") else None
+        return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, allowed, num_top=call.num_top)
     if call.step == "verify":
         return VerifyPlan(np.zeros((r, call.width), np.int32), zeros, zeros, zeros, kv_len=call.kv_len)
     if call.step == "sample_verify":

@@ -31,7 +31,7 @@ class BatchedRequest:
     generated_tokens: list[int] = field(default_factory=list)
     last_token: int | None = None
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled" once FINISHED
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error" (then `error` says why) once FINISHED
     logprobs: list[tuple[float, dict[int, float]]] = field(default_factory=list)
     num_prefilled: int = 0  # prompt tokens whose K/V are in the slot (cached prefix included)
     seed: int | None = None  # resolved seed (sampling.seed, or drawn by the engine)
@@ -39,6 +39,9 @@ class BatchedRequest:
     # with sampling.prompt_logprobs: one entry per prompt token prefilled so far, filled chunk by chunk; entry 0 is
     # None (the first token has no context)
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)
+    # with sampling.structured: its llguidance matcher, advanced by every delivered token (`structured.Constrainer`)
+    matcher: Any = None
+    error: Exception | None = None  # why the engine ended it (finish_reason "error"): the grammar could not continue
 
     @property
     def finished(self) -> bool:

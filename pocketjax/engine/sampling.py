@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import SamplingError
+from .structured import Structured, as_structured
 
 MAX_LOGPROBS = 20  # most top-n logprobs a request may ask for (OpenAI's limit)
 NUM_CANDIDATES = 256  # tokens per row the filtering fast path inspects; top_k above it takes the exact fallback
@@ -92,10 +93,14 @@ class SamplingParams:
     # whole batch, chunk by chunk). Hashed by identity: each new one compiles new engine programs (`steps.row_hooks`).
     # Python API only: the server never sets it.
     hook: Callable[[Any, Any], Any] | None = None
+    # What the output must match (a JSON schema, JSON object, regex, choice or grammar: `structured.Structured`);
+    # the sampler only draws tokens it allows, and the reported logprobs are of that constrained distribution.
+    structured: Structured | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", _as_tuple(self.stop))
+        object.__setattr__(self, "structured", as_structured(self.structured))  # a dict: dataclasses.asdict's form
 
     @property
     def greedy(self) -> bool:
@@ -153,6 +158,10 @@ class SamplingParams:
             hash(self.hook)  # a static argument of the jitted steps
         except TypeError:
             fail("hook", "must be hashable (a function, or a frozen callable object)")
+        if self.structured is not None:
+            if not isinstance(self.structured, Structured):
+                fail("structured", "must be None or a pocketjax.Structured")
+            self.structured.validate()
 
 
 @jax.tree_util.register_dataclass
@@ -222,7 +231,8 @@ def apply_penalties(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.
 
 @partial(jax.jit, static_argnames=("num_top", "num_candidates"))
 def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array, output_counts: jax.Array,
-           steps: jax.Array, *, num_top: int = 0, num_candidates: int = NUM_CANDIDATES) -> SampleOutput:
+           steps: jax.Array, allowed: jax.Array | None = None, *, num_top: int = 0,
+           num_candidates: int = NUM_CANDIDATES) -> SampleOutput:
     """Returns each row's next token, its raw logprob and the raw top-`num_top` logprobs.
 
     logits f32[S, V] are the model's raw next-token logits; prompt_mask bool[S, V] and output_counts i32[S, V]
@@ -230,8 +240,15 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array, ou
     randomness is keyed by fold_in(key(seed), step) only, so its token never depends on the other rows, on its
     slot, or on which branch the batch took. `num_candidates` (static) only trades speed between the fast path
     and the exact fallback: the tokens are the same.
+
+    `allowed` i32[S, ceil(V / 32)] (structured outputs: bit t % 32 of word t // 32 allows token t) sets every
+    disallowed logit to -inf first, before penalties, temperature and filtering, so the token AND the reported
+    logprobs and top logprobs are those of the constrained distribution (a disallowed top entry is -inf). A row
+    whose words are all ones is untouched bit for bit; None (no constrained row) compiles today's program.
     """
     logits = logits.astype(jnp.float32)
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     penalize = partial(apply_penalties, arrays=arrays, prompt_mask=prompt_mask, output_counts=output_counts)
     # Branches return tokens, never [S, V] arrays: a cond that returns the logits costs a 4.8 MB copy per step.
     needs_penalty = jnp.any((arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0)
@@ -244,6 +261,16 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array, ou
         lambda: greedy,
     )
     return token_logprobs(logits, tokens, num_top)
+
+
+def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
+    """f32[S, V] logits with -inf where allowed i32[S, W] (llguidance's bitmask layout) has a 0 bit.
+
+    The bits unpack by one broadcast shift of every word by 0..31 (no gather per token), then a reshape."""
+    shifts = jnp.arange(32, dtype=jnp.int32)
+    bits = (allowed[:, :, None] >> shifts) & 1  # arithmetic shift: bit 31 of a negative word is still read right
+    keep = bits.reshape(allowed.shape[0], -1)[:, :logits.shape[-1]] == 1
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> SampleOutput:

@@ -26,18 +26,19 @@ def compiled_count() -> int:
 
 
 def warmup(params: Params, cache: KVCache, penalties: Penalties, *, config: ModelConfig, rules: StepRules,
-           progress: bool = True, prompt_logprobs: bool = False) -> tuple[KVCache, Penalties, int]:
+           progress: bool = True, prompt_logprobs: bool = False, structured: bool = False
+           ) -> tuple[KVCache, Penalties, int]:
     """Compile every signature of `rules` (`plan.signatures`); returns the cache and penalties (donated, so use
     these) and how many signatures were new (0 once warm).
 
     Afterwards no mix of prompt lengths, batch sizes, sampling options, logprobs or prefix reuse compiles again.
     Requests with `prompt_logprobs` compile their prefill variant on first use unless `prompt_logprobs=True`
-    compiles it here too.
+    compiles it here too; `structured` compiles the masked samplers (structured outputs) as well.
     """
     before = compiled_count()
     logits, tokens = {}, {}  # rows -> the latest forward step's logits, the latest sampled tokens (on device)
     verified = {}  # rows -> the latest verify step's logits
-    calls = signatures(rules, prompt_logprobs)
+    calls = signatures(rules, prompt_logprobs, structured)
     if calls:  # the first forward and sampler calls see the cache and penalties as allocated, and a step may return
         # them in another form (on a mesh, the penalties come back replicated over it): run both again in that form
         calls += [calls[0], next(c for c in calls if c.step == "sample_first")]

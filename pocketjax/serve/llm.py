@@ -78,7 +78,7 @@ class LLM:
         self.tokenizer = tokenizer
         if self.tokenizer is None and model.path and (Path(model.path) / "tokenizer.json").exists():
             self.tokenizer = Tokenizer.from_folder(model.path)
-        self.engine = Engine(model, config, seed=seed)
+        self.engine = Engine(model, config, seed=seed, tokenizer=self.tokenizer)
         if warmup:  # every shape compiled now (and kept in the compile cache), none in the middle of serving
             self.engine.warmup()
         self.scheduler = Scheduler(self.engine, max_waiting=1 << 20, tokenizer=self.tokenizer,  # generate() queues all

@@ -15,27 +15,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..engine.request import Completion
 from ..engine.sampling import SamplingParams
+from ..engine.structured import Structured
+from .api_error import APIError, error_body  # noqa: F401 - re-exported: the request modules' error
+from .constraints import ConstraintFields
+from .tool_calls import ToolRequest, template_messages, tool_request
 from .tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 MAX_N = 64  # choices per request: each is a request of its own in the scheduler
-
-
-class APIError(Exception):
-    """An HTTP error answered with OpenAI's error object (status, message, type, param, code)."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object: what its clients parse into `APIError.message`, `.type`, `.param`, `.code`."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 class StreamOptions(BaseModel):
@@ -73,19 +59,23 @@ class SamplingFields(BaseModel):
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    def sampling(self, max_tokens: int, logprobs: int = 0, prompt_logprobs: int | None = None) -> SamplingParams:
-        """The SamplingParams these fields ask for (validated later by the engine, which names a bad field)."""
+    def sampling(self, max_tokens: int, logprobs: int = 0, prompt_logprobs: int | None = None,
+                 structured: Structured | None = None) -> SamplingParams:
+        """The SamplingParams these fields ask for (validated later by the engine, which names a bad field), with
+        `structured` constraining the output."""
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
                                                         "frequency_penalty", "repetition_penalty", "seed",
                                                         "ignore_eos")}
         given = {name: value for name, value in given.items() if value is not None}
         if self.top_k is not None:
             given["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM's -1 means off, as our 0
+        if structured is not None:
+            given["structured"] = structured
         return SamplingParams(max_tokens=max_tokens, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
                               logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given)
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, ConstraintFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
     logprobs: int | None = None
@@ -100,28 +90,33 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "best_of other than n is not supported", param="best_of")
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ConstraintFields):
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": false}
-    tools: list[Any] | None = None  # not supported: rejected when not empty
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools")
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.messages)
 
+    def tool_request(self) -> ToolRequest | None:
+        """The request's checked tools (None without tools); 400 naming tools or tool_choice when malformed."""
+        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+
 
 def chat_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with text-only content parts joined into one string (what text-only templates expect); 400
-    for a part that is not text (images, audio: this server serves text models)."""
+    """The messages with text-only content parts joined into one string (what text-only templates expect) and past
+    tool calls in the form templates read (`template_messages`); 400 for a part that is not text (images, audio:
+    this server serves text models)."""
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -134,7 +129,7 @@ def chat_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
         out.append(message)
-    return out
+    return template_messages(out)
 
 
 def with_seed(sampling: SamplingParams, index: int) -> SamplingParams:

@@ -6,8 +6,9 @@ accepted and stores nothing (as vLLM does without a response store). `input` is 
 (EasyInputMessage: role + text or text content parts); `instructions` becomes a system message in front. The
 prompt is the chat template's, as /v1/chat/completions builds it. Streaming sends the Responses event types in
 OpenAI's order (created, in_progress, output_item.added, content_part.added, output_text.delta..., their done
-events, then completed or incomplete). Anything else a request asks for (tools, structured text formats,
-reasoning, background, include, auto truncation, images, function-call items) is a 400 that names it.
+events, then completed or incomplete). `text.format` json_schema or json_object constrains the output as the chat
+endpoint's response_format does. Anything else a request asks for (tools, reasoning, background, include, auto
+truncation, images, function-call items) is a 400 that names it.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 
 from ..errors import PocketJaxError
+from .constraints import TextFormat
 from .openai_protocol import APIError, SamplingFields, with_seed
 
 if TYPE_CHECKING:
@@ -55,6 +57,9 @@ class ResponsesRequest(SamplingFields):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1, le=1)
+    # the other endpoints' constraint fields: they would change the output, so they are refused here by name
+    response_format: Any = None
+    structured_outputs: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -64,15 +69,17 @@ class ResponsesRequest(SamplingFields):
                        ("prompt", self.prompt is not None, "stored prompt templates are not supported"),
                        ("tools", bool(self.tools), "tools are not supported yet"),
                        ("tool_choice", self.tool_choice not in (None, "none", "auto"), "tools are not supported yet"),
-                       ("text", self.text is not None and (self.text.get("format") or {"type": "text"})
-                        .get("type") != "text", "structured text formats are not supported yet"),
                        ("reasoning", bool(self.reasoning), "reasoning options are not supported"),
                        ("include", bool(self.include), "include is not supported"),
                        ("truncation", self.truncation not in (None, "disabled"), "only truncation 'disabled'"),
                        ("background", bool(self.background), "background responses need storage"),
                        ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported on /v1/responses; "
                                                                  "use /v1/chat/completions"),
-                       ("stream_options", self.stream_options is not None, "stream_options is not supported")]
+                       ("stream_options", self.stream_options is not None, "stream_options is not supported"),
+                       ("response_format", self.response_format is not None,
+                        "is spelled text.format on /v1/responses"),
+                       ("structured_outputs", self.structured_outputs is not None,
+                        "is not supported on /v1/responses: use text.format, or /v1/chat/completions")]
         for param, refused, why in unsupported:
             if refused:
                 raise APIError(400, f"{param}: {why}", param=param)
@@ -113,16 +120,18 @@ def item_text(content: Any, i: int) -> str:
 
 def responses_router(llm: LLM, model_name: str, check: Callable[[SamplingFields], None],
                      budget: Callable[[list[int], int | None, int | None], int],
-                     submit: Callable[[list[tuple[list[int], Any]], str | None], list[RequestHandle]],
+                     submit: Callable[[list[tuple[list[int], Any]], str | None, str | None], list[RequestHandle]],
                      finish_all: Callable, merged: Callable) -> APIRouter:
-    """POST /responses (mounted under /v1) over `llm`; `check`, `budget`, `submit`, `finish_all` and `merged` are
-    the server's own (model name, context budget, queueing with its limits and metrics, waiting with disconnect
-    cancellation, streaming deltas), passed in so this module needs nothing of server.py's."""
+    """POST /responses (mounted under /v1) over `llm`; `check`, `budget`, `submit` (jobs, the field a refusal names,
+    the field a constraint came from), `finish_all` and `merged` are the server's own (model name, context budget,
+    queueing with its limits and metrics, waiting with disconnect cancellation, streaming deltas), passed in so
+    this module needs nothing of server.py's."""
     router = APIRouter()
 
     @router.post("/responses")
     async def create(body: ResponsesRequest, request: Request):
         check(body)
+        structured, text_format = TextFormat.of(body.text)
         prompt = await asyncio.to_thread(  # off the event loop, as the chat endpoint renders
             lambda: llm.encode(llm.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True)))
         try:
@@ -131,9 +140,9 @@ def responses_router(llm: LLM, model_name: str, check: Callable[[SamplingFields]
             if error.param == "max_tokens":
                 error.param = "max_output_tokens"
             raise
-        sampling = body.sampling(max_tokens)
-        handle = submit([(prompt, with_seed(sampling, 0))], "input")[0]
-        draft = Draft(body, model_name, len(prompt))
+        sampling = body.sampling(max_tokens, structured=structured)
+        handle = submit([(prompt, with_seed(sampling, 0))], "input", "text")[0]
+        draft = Draft(body, model_name, len(prompt), text_format)
         if body.stream:
             return StreamingResponse(events(draft, handle, merged), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -146,8 +155,10 @@ def responses_router(llm: LLM, model_name: str, check: Callable[[SamplingFields]
 class Draft:
     """One response's fixed fields (ids, echoed settings) and the Response object at any stage."""
 
-    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int):
+    def __init__(self, body: ResponsesRequest, model: str, prompt_tokens: int,
+                 text_format: dict[str, Any] | None = None):
         self.body, self.model, self.prompt_tokens = body, model, prompt_tokens
+        self.text_format = text_format or {"type": "text"}
         self.id, self.item_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
 
@@ -168,7 +179,7 @@ class Draft:
             "parallel_tool_calls": body.parallel_tool_calls if body.parallel_tool_calls is not None else True,
             "previous_response_id": None, "reasoning": None, "store": False,
             "temperature": body.temperature, "top_p": body.top_p, "tool_choice": body.tool_choice or "auto",
-            "tools": [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "tools": [], "text": {"format": self.text_format}, "truncation": "disabled",
             "metadata": body.metadata or {}, "user": body.user, "usage": None}
         if text is not None:
             out["usage"] = {"input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},

@@ -56,6 +56,7 @@ class Scheduler:
         self.max_waiting = max_waiting
         self.prefill_token_budget = budget
         self.tokenizer = tokenizer
+        engine.use_tokenizer(tokenizer)  # structured outputs compile against it (where the engine has none)
         self.pipeline = pipeline  # overlap each step's host work with the next decode step on device
         self._pending: PendingDecode | PendingVerify | None = None  # the decode step in flight: read next step
         self._last_decode: tuple[str, int, float] | None = None  # speculative: (kind, rows, start) of the last step
@@ -376,6 +377,10 @@ class Scheduler:
         if handle.done():
             return
         req = handle.request
+        if req.error is not None:  # the engine ended it (a grammar that can allow no token): it fails with that
+            self._release(handle)
+            handle.fail(req.error)
+            return
         fresh = req.logprobs[handle.num_delivered:len(req.generated_tokens)]
         if any(entry is not None and not math.isfinite(entry[0]) for entry in fresh):  # NaN or inf logits
             self._release(handle)

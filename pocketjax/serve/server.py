@@ -28,7 +28,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.request import Completion
-from ..errors import CapacityError, CheckpointError, ConfigError, PocketJaxError, RequestError, StoppedError
+from ..engine.structured import Structured
+from ..errors import (CapacityError, CheckpointError, ConfigError, PocketJaxError, RequestError, StoppedError,
+                      StructuredOutputError)
 from .handle import RequestHandle
 from .http_guard import HTTPGuard, ServerLimits
 from .metrics import HTTPCounter, RequestMetrics, metrics_router
@@ -37,6 +39,7 @@ from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest
                               template_options, usage, with_seed)
 from .responses import responses_router
 from .tokenization import tokenization_router
+from .tool_calls import END as TOOL_CALL_END, START as TOOL_CALL_START, ToolCallParser, ToolRequest, parse_tool_calls
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -143,17 +146,21 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
         if score_only and not echo:
             raise APIError(400, "max_tokens 0 needs echo=true (it returns the prompt, with logprobs if asked)",
                            param="max_tokens")
+        structured, constrained_by = body.constraint()
+        if structured is not None and score_only:
+            raise APIError(400, "max_tokens 0 generates nothing to constrain", param=constrained_by)
         n, jobs = body.n or 1, []
         for prompt in ids:
             # scoring generates one token for the prompt's logprobs, then drops it; without logprobs nothing runs
             asked = 1 if score_only else body.max_tokens
             sampling = body.sampling(budget(prompt, asked, COMPLETIONS_MAX_TOKENS), top or 0,
-                                     top if echo and top is not None else None)
+                                     top if echo and top is not None else None, structured)
             jobs += [(prompt, with_seed(sampling, i)) for i in range(n)]
         if score_only and top is None:
             jobs = []
         reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", name,
-                      submit_all(llm, jobs, "prompt" if len(ids) > 1 else "n", metrics), sum(len(p) for p in ids),
+                      submit_all(llm, jobs, "prompt" if len(ids) > 1 else "n", metrics, constrained_by),
+                      sum(len(p) for p in ids),
                       body.stream_options)
         heads = [(p if isinstance(p, str) else llm.tokenizer.decode(p, skip_special_tokens=False)) if echo else ""
                  for p in prompts for _ in range(n)]
@@ -189,27 +196,41 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
                                 f"request", param="n")
         options = template_options(body.chat_template_kwargs, trust_request_chat_template)
         messages = body.chat_messages()
-        if json_size(messages, "messages") + json_size(options, "chat_template_kwargs") > max_chars:
+        if (json_size(messages, "messages") + json_size(options, "chat_template_kwargs")
+                + json_size(body.tools, "tools") > max_chars):
             raise APIError(400, f"the conversation is over this server's limit of {max_chars} characters",
                            param="messages", code="prompt_too_long")
-        prompt = await off_loop(render_prompt, llm, messages, options, encode)
+        tools = await off_loop(body.tool_request)  # compiles each tool's parameters schema
+        structured, constrained_by = body.constraint()
+        if tools is not None and tools.enforced:
+            if structured is not None:
+                raise APIError(400, f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot "
+                                    f"take {constrained_by} too", param=constrained_by)
+            structured, constrained_by = Structured(grammar=tools.grammar(special_tool_tags(llm))), "tools"
+        prompt = await off_loop(render_prompt, llm, messages, options, encode, tools)
         top = (body.top_logprobs or 0) if body.logprobs else None
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sampling = body.sampling(budget(prompt, asked, None), top or 0)
-        handles = submit_all(llm, [(prompt, with_seed(sampling, i)) for i in range(body.n or 1)], "n", metrics)
+        sampling = body.sampling(budget(prompt, asked, None), top or 0, structured=structured)
+        handles = submit_all(llm, [(prompt, with_seed(sampling, i)) for i in range(body.n or 1)], "n", metrics,
+                             constrained_by)
+        parsing = tools is not None and tools.parsed
         as_ids = bool(body.return_tokens_as_token_ids)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", name, handles, len(prompt),
                       body.stream_options)
         if body.stream:
-            return sse_response(chat_events(reply, top, text_of, as_ids))
-        choices = [{"index": i, "message": {"role": "assistant", "content": out.text},
-                    "logprobs": (chat_logprobs(text_of, out.token_ids, out.logprobs[:len(out.token_ids)], as_ids)
-                                 if top is not None else None),
-                    "finish_reason": finish_reason(out)} for i, out in enumerate(await finish_all(request, handles))]
+            return sse_response(chat_events(reply, top, text_of, as_ids, parsing))
+        choices = []
+        for i, out in enumerate(await finish_all(request, handles)):
+            message, calls = chat_message(out.text, parsing)
+            choices.append({"index": i, "message": message,
+                            "logprobs": (chat_logprobs(text_of, out.token_ids, out.logprobs[:len(out.token_ids)],
+                                                       as_ids) if top is not None else None),
+                            "finish_reason": chat_finish_reason(out, calls)})
         return reply.body(choices, reply.completion_tokens())
 
     v1.include_router(responses_router(llm, name, check, budget,
-                                       lambda jobs, param: submit_all(llm, jobs, param, metrics), finish_all, merged))
+                                       lambda jobs, param, constrained_by=None: submit_all(
+                                           llm, jobs, param, metrics, constrained_by), finish_all, merged))
     app.include_router(v1)
     app.include_router(tokenization_router(llm, name), dependencies=[Depends(authorize)])
     app.include_router(metrics_router(metrics))
@@ -219,15 +240,40 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
 
 
 def render_prompt(llm: LLM, messages: list[dict[str, Any]], options: dict[str, Any],
-                  encode: Callable[[str], list[int]]) -> list[int]:
-    """The prompt ids of a conversation (on a host thread): a request template that does not parse is a 400."""
+                  encode: Callable[[str], list[int]], tools: ToolRequest | None = None) -> list[int]:
+    """The prompt ids of a conversation (on a host thread), with the request's tools rendered by the chat template
+    (for every tool_choice, "none" included, as vLLM renders them): a request template that does not parse is a
+    400."""
     try:
-        text = llm.tokenizer.apply_chat_template(messages, **options)
+        text = llm.tokenizer.apply_chat_template(messages, tools=tools.tools if tools else None, **options)
     except CheckpointError as error:
         if "chat_template" not in options:
             raise
         raise APIError(400, f"chat_template_kwargs.chat_template: {error}", param="chat_template_kwargs") from None
     return encode(text)
+
+
+def special_tool_tags(llm: LLM) -> bool:
+    """True when the tokenizer has <tool_call> and </tool_call> as tokens of their own (Qwen2.5's and Qwen3's do)."""
+    return all(llm.tokenizer.token_id(tag) is not None for tag in (TOOL_CALL_START, TOOL_CALL_END))
+
+
+def chat_message(text: str, parsing: bool) -> tuple[dict[str, Any], int]:
+    """The assistant message of an answer and how many tool calls it made: with `parsing`, its <tool_call> blocks
+    as `tool_calls` and the text around them as content (None when there is none)."""
+    if not parsing:
+        return {"role": "assistant", "content": text}, 0
+    content, calls = parse_tool_calls(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [call.message() for call in calls]
+    return message, len(calls)
+
+
+def chat_finish_reason(completion: Completion, calls: int) -> str:
+    """"tool_calls" for an answer that ended on its own after making calls; else the completion's own reason."""
+    reason = finish_reason(completion)
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def json_size(value: Any, param: str, depth: int = 0) -> int:
@@ -308,24 +354,42 @@ async def echo_events(reply: Reply, heads: list[str]) -> AsyncIterator[dict]:
         yield last
 
 
-async def chat_events(reply: Reply, top: int | None, text_of: TokenText, as_ids: bool = False
-                      ) -> AsyncIterator[dict]:
+async def chat_events(reply: Reply, top: int | None, text_of: TokenText, as_ids: bool = False,
+                      parsing: bool = False) -> AsyncIterator[dict]:
     """/v1/chat/completions stream chunks: the assistant role per choice, content deltas with the logprobs of their
-    tokens, a last chunk per choice with its finish_reason, then the usage chunk if asked."""
+    tokens, a last chunk per choice with its finish_reason, then the usage chunk if asked.
+
+    With `parsing` (tools whose calls are parsed), each choice's text goes through a ToolCallParser: content is
+    sent as it is released, each call as OpenAI's tool_calls deltas once its block closes (no <tool_call> markup is
+    ever sent as content), and the logprobs of a batch of tokens ride on its first delta."""
     sent = [0] * len(reply.handles)
+    parsers = [ToolCallParser() if parsing else None for _ in reply.handles]
     for i in range(len(reply.handles)):
         yield reply.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}], 0)
     async for i, tokens, text, done in merged(reply.handles):
         entries = reply.handles[i].request.logprobs[sent[i]:sent[i] + len(tokens)]
         sent[i] += len(tokens)
-        if text or (tokens and top is not None):  # ids still forming a character carry no text, but logprobs
-            logprobs = chat_logprobs(text_of, tokens, entries, as_ids) if top is not None else None
-            yield reply.chunk([{"index": i, "delta": {"content": text}, "logprobs": logprobs,
+        logprobs = chat_logprobs(text_of, tokens, entries, as_ids) if top is not None and tokens else None
+        parser = parsers[i]
+        if parser is None:  # ids still forming a character carry no text, but logprobs
+            deltas = [{"content": text}] if text or logprobs is not None else []
+        else:
+            events = (parser.feed(text) if text else []) + (parser.finish() if done is not None else [])
+            deltas = []
+            for event in events:
+                if isinstance(event, str):
+                    deltas.append({"content": event})
+                else:
+                    deltas += [{"tool_calls": [delta]} for delta in event.deltas()]
+            if not deltas and logprobs is not None:
+                deltas = [{}]
+        for k, delta in enumerate(deltas):
+            yield reply.chunk([{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
                                 "finish_reason": None}], sum(sent))
         if done is not None:
-            yield reply.chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": finish_reason(done)}],
-                              sum(sent))
+            reason = chat_finish_reason(done, len(parser.calls)) if parser is not None else finish_reason(done)
+            yield reply.chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}], sum(sent))
     if (last := reply.usage_chunk(sum(sent))) is not None:
         yield last
 
@@ -346,9 +410,10 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
 
 
 def submit_all(llm: LLM, jobs: Sequence[tuple[list[int], Any]], param: str | None = None,
-               metrics: RequestMetrics | None = None) -> list[RequestHandle]:
+               metrics: RequestMetrics | None = None, constrained_by: str | None = None) -> list[RequestHandle]:
     """Submit every (prompt ids, sampling) or none: a refusal (full queue, invalid request) cancels the ones
     already queued and raises its typed error before any response is sent; `metrics` then follows the accepted.
+    A constraint that does not compile is a 400 naming `constrained_by`, the field it came from.
 
     Every job waits in the queue before any is admitted, so more jobs than the queue holds could never be
     accepted: that is a 400 naming `param` (retrying cannot help), where a queue full of others' requests is a 429.
@@ -365,9 +430,11 @@ def submit_all(llm: LLM, jobs: Sequence[tuple[list[int], Any]], param: str | Non
             handles.append(handle)
             if handle.done():  # the scheduler fails an invalid request's handle at submit
                 handle.result(timeout=0)
-    except BaseException:
+    except BaseException as error:
         for handle in handles:
             handle.cancel()
+        if isinstance(error, StructuredOutputError):
+            raise APIError(400, f"{constrained_by}: {error}", param=constrained_by) from None
         raise
     if metrics is not None:
         for handle in handles:
