@@ -315,23 +315,28 @@ def test_the_chi_square_test_fails_an_acceptance_rule_that_accepts_every_draft(e
 # ---- serving -----------------------------------------------------------------------------------------------------
 
 def test_verify_dispatch_refuses_bad_drafts_and_plain_engines(engines, model):
+    from test_structured import byte_tokenizer  # a tokenizer for the tiny checkpoint, so it serves a constraint
     plain, spec = engines
+    spec.use_tokenizer(byte_tokenizer())
     req = BatchedRequest("x", [1, 2, 3], GREEDY)
+    structured = BatchedRequest("s", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
+                                                               structured=pj.Structured(regex="[a-z]+")))
     spec.allocate_slot(req)
-    spec.batch_prefill([req])
-    with pytest.raises(RequestError, match="at most 3"):
-        spec.verify_dispatch([req], [[1, 2, 3, 4]])
-    structured = BatchedRequest("s", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0))
-    object.__setattr__(structured.sampling, "structured", {"type": "json"})  # (the structured-output field)
-    spec.allocate_slot(structured)
-    spec.batch_prefill([structured])
-    assert spec.speculator.due([req]) == [True]
-    assert spec.speculator.due([req, structured]) == [False, False]  # a batch holding one decodes plainly
-    with pytest.raises(RequestError, match="structured"):
-        spec.verify_dispatch([structured], [[]])
-    assert all(len(t) == 1 for t in spec.batch_speculative_step([req, structured]))
-    spec.free_slot("x")
-    spec.free_slot("s")
+    try:
+        spec.batch_prefill([req])
+        with pytest.raises(RequestError, match="at most 3"):
+            spec.verify_dispatch([req], [[1, 2, 3, 4]])
+        spec.allocate_slot(structured)
+        spec.batch_prefill([structured])
+        assert spec.speculator.due([req]) == [True]
+        assert spec.speculator.due([req, structured]) == [False, False]  # a batch holding one decodes plainly
+        with pytest.raises(RequestError, match="structured"):
+            spec.verify_dispatch([structured], [[]])
+        assert all(len(t) == 1 for t in spec.batch_speculative_step([req, structured]))
+    finally:
+        for request_id in ("x", "s"):
+            if spec.slots.slot_of(request_id) is not None:
+                spec.free_slot(request_id)
     with pytest.raises(RequestError, match="does not speculate"):
         plain.verify_dispatch([], [])
 
