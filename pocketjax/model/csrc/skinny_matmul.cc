@@ -1,0 +1,271 @@
+// y[rows, out] = x[rows, in] @ w[out, in]^T for a bfloat16 weight in HF's [out, in] layout: the decode-step
+// product (rows = active requests, 1..8), as an XLA FFI handler for the CPU (pocketjax/model/cpu_kernels.py
+// compiles it at first use and registers it).
+//
+// Why: XLA:CPU's bf16 dot reads a bf16 weight at a fraction of the memory's bandwidth at 1-8 rows, so a bf16
+// decode step (half float32's bytes) was no faster than float32. Here each weight row is read ONCE for all x rows
+// (up to 8 rows register-blocked; more rows run in blocks of 8), converted bf16 -> f32 by a 16-bit shift (exact),
+// and multiplied by f32 FMAs into f32 accumulators: the result differs from the float32 product of the same values
+// only in summation order. x is float32 or bfloat16 (converted to f32 once, exactly); y is x's dtype (bf16 rounded
+// to nearest even, as XLA's convert). Output rows are split over XLA's intra-op thread pool.
+//
+// ISA: AVX-512 (F+BW+VL) or AVX2+FMA chosen at run time (__builtin_cpu_supports), else a portable loop the compiler
+// vectorizes for the base ISA (e.g. aarch64 NEON). The `isa` attribute forces one (tests): 0 auto, 1 portable,
+// 2 AVX2, 3 AVX-512; a forced ISA the CPU lacks falls back to the portable loop.
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define PJ_X86 1
+#include <immintrin.h>
+#else
+#define PJ_X86 0
+#endif
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kMaxRows = 8;
+
+inline float Bf16ToF32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// One job: output features [n0, n1) of y for x rows [0, R), each an f32 sum written in y's dtype.
+struct Job {
+  const float* x;     // [R, K] f32
+  const uint16_t* w;  // [N, K] bf16 bits
+  void* y;            // [R, N] f32 or bf16 (y_bf16)
+  bool y_bf16;
+  int64_t R, K, N;
+
+  inline void Store(int64_t r, int64_t n, float v) const {
+    if (y_bf16)
+      static_cast<uint16_t*>(y)[r * N + n] = F32ToBf16(v);
+    else
+      static_cast<float*>(y)[r * N + n] = v;
+  }
+};
+
+// ---- portable: lanes of partial sums, so the compiler vectorizes without reassociating a scalar sum ------------
+template <int R>
+void RowsPortable(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int L = 8;
+  const int64_t K = j.K, kv = K / L * L;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* wr = j.w + n * K;
+    float acc[R][L] = {};
+    for (int64_t k = 0; k < kv; k += L) {
+      float wf[L];
+      for (int l = 0; l < L; ++l) wf[l] = Bf16ToF32(wr[k + l]);
+      for (int r = 0; r < R; ++r)
+        for (int l = 0; l < L; ++l) acc[r][l] += wf[l] * j.x[r * K + k + l];
+    }
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+      for (int l = 0; l < L; ++l) s += acc[r][l];
+      for (int64_t k = kv; k < K; ++k) s += Bf16ToF32(wr[k]) * j.x[r * K + k];
+      j.Store(r, n, s);
+    }
+  }
+}
+
+#if PJ_X86
+// ---- AVX2 + FMA: 8 lanes; NB weight rows at a time share each x load ---------------------------------------------
+template <int R, int NB>
+__attribute__((target("avx2,fma"))) void BlockAvx2(const Job& j, int64_t n) {
+  const int64_t K = j.K, kv = K / 8 * 8;
+  __m256 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kv; k += 8) {
+    __m256 wv[NB];
+    for (int b = 0; b < NB; ++b) {
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w + (n + b) * K + k));
+      wv[b] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 xv = _mm256_loadu_ps(j.x + r * K + k);
+      for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) {
+      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[b][r]), _mm256_extractf128_ps(acc[b][r], 1));
+      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+      float s = _mm_cvtss_f32(s4);
+      const uint16_t* wr = j.w + (n + b) * K;
+      for (int64_t k = kv; k < K; ++k) s += Bf16ToF32(wr[k]) * j.x[r * K + k];
+      j.Store(r, n + b, s);
+    }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void RowsAvx2(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int NB = R <= 2 ? 4 : (R <= 4 ? 2 : 1);  // NB * R accumulators + NB weights + 1 x within 16 ymm
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) BlockAvx2<R, NB>(j, n);
+  for (; n < n1; ++n) BlockAvx2<R, 1>(j, n);
+}
+
+// ---- AVX-512 (F, BW, VL): 16 lanes, masked tail ---------------------------------------------------------------
+#define PJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline
+template <int R, int NB>
+PJ_AVX512 void StepAvx512(const Job& j, int64_t n, int64_t k, __mmask16 m, __m512 (&acc)[NB][R]) {
+  __m512 wv[NB];
+  for (int b = 0; b < NB; ++b) {
+    __m256i h = _mm256_maskz_loadu_epi16(m, j.w + (n + b) * j.K + k);
+    wv[b] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  for (int r = 0; r < R; ++r) {
+    __m512 xv = _mm512_maskz_loadu_ps(m, j.x + r * j.K + k);
+    for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
+  }
+}
+
+template <int R, int NB>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void BlockAvx512(const Job& j, int64_t n) {
+  const int64_t K = j.K, kv = K / 16 * 16;
+  __m512 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kv; k += 16) StepAvx512<R, NB>(j, n, k, 0xffff, acc);
+  if (kv < K) StepAvx512<R, NB>(j, n, kv, static_cast<__mmask16>((1u << (K - kv)) - 1), acc);
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) j.Store(r, n + b, _mm512_reduce_add_ps(acc[b][r]));
+}
+
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void RowsAvx512(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int NB = R <= 2 ? 8 : (R <= 4 ? 4 : 2);  // NB * R accumulators + NB weights + 1 x within 32 zmm
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) BlockAvx512<R, NB>(j, n);
+  for (; n < n1; ++n) BlockAvx512<R, 1>(j, n);
+}
+#endif
+
+using RowsFn = void (*)(const Job&, int64_t, int64_t);
+
+#define PJ_TABLE(fn) {fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>}
+
+int ResolveIsa(int32_t requested) {
+#if PJ_X86
+  bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                __builtin_cpu_supports("avx512vl");
+  bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (requested == 0) return avx512 ? 3 : (avx2 ? 2 : 1);
+  if (requested == 3 && avx512) return 3;
+  if (requested == 2 && avx2) return 2;
+#else
+  (void)requested;
+#endif
+  return 1;
+}
+
+RowsFn Select(int isa, int rows) {
+  static const RowsFn portable[kMaxRows] = PJ_TABLE(RowsPortable);
+#if PJ_X86
+  static const RowsFn avx2[kMaxRows] = PJ_TABLE(RowsAvx2);
+  static const RowsFn avx512[kMaxRows] = PJ_TABLE(RowsAvx512);
+  if (isa == 3) return avx512[rows - 1];
+  if (isa == 2) return avx2[rows - 1];
+#endif
+  return portable[rows - 1];
+}
+
+// Work shared by the calling thread and pool tasks: chunks of output features claimed from an atomic counter, so
+// the caller never waits for a task that has not started (a busy pool cannot deadlock it), and a task that starts
+// after the work is gone touches nothing but this state (kept alive by its shared_ptr).
+struct Shared {
+  Job job;
+  RowsFn fn;
+  int64_t chunk, chunks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Work() {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
+      int64_t n0 = c * chunk, n1 = n0 + chunk < job.N ? n0 + chunk : job.N;
+      fn(job, n0, n1);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::BF16> w,
+                        ffi::Result<ffi::AnyBuffer> y, int32_t isa) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] || yd[1] != wd[0])
+    return ffi::Error::InvalidArgument("pocketjax skinny_matmul: expects x [rows, in], w [out, in], y [rows, out]");
+  const ffi::DataType xt = x.element_type(), yt = y->element_type();
+  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || yt != xt)
+    return ffi::Error::InvalidArgument("pocketjax skinny_matmul: x and y must both be float32 or bfloat16");
+  const int64_t rows = xd[0], K = xd[1], N = wd[0];
+  if (rows == 0 || N == 0) return ffi::Error::Success();
+  const int resolved = ResolveIsa(isa);
+
+  // An f32 copy of a bf16 x (exact): rows * in floats, small at decode; reused across calls on this thread.
+  thread_local std::vector<float> xf;
+  const float* x32 = static_cast<const float*>(x.untyped_data());
+  if (xt == ffi::DataType::BF16) {
+    if (static_cast<int64_t>(xf.size()) < rows * K) xf.resize(rows * K);
+    const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+    for (int64_t i = 0; i < rows * K; ++i) xf[i] = Bf16ToF32(xb[i]);
+    x32 = xf.data();
+  }
+  const bool y_bf16 = yt == ffi::DataType::BF16;
+  char* ybase = static_cast<char*>(y->untyped_data());
+  const int64_t ysize = y_bf16 ? 2 : 4;
+
+  const int64_t threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
+  for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {  // more than 8 rows: the weight is read once per 8
+    const int64_t R = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
+    auto s = std::make_shared<Shared>();
+    s->job = Job{x32 + r0 * K, reinterpret_cast<const uint16_t*>(w.typed_data()), ybase + r0 * N * ysize, y_bf16,
+                 R, K, N};
+    s->fn = Select(resolved, static_cast<int>(R));
+    // ~4 chunks per thread (load balance on a shared machine), each a multiple of 16 features, >= 64 KiB of weight
+    int64_t chunk = (N + 4 * threads - 1) / (4 * threads);
+    const int64_t min_chunk = (65536 / 2 + K - 1) / K;
+    chunk = chunk < min_chunk ? min_chunk : chunk;
+    chunk = (chunk + 15) / 16 * 16;
+    s->chunk = chunk;
+    s->chunks = (N + chunk - 1) / chunk;
+    const int64_t helpers = (threads < s->chunks ? threads : s->chunks) - 1;
+    for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { s->Work(); });
+    s->Work();
+    while (s->done.load(std::memory_order_acquire) < s->chunks) std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxSkinnyMatmul, SkinnyMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa"));
+
+// For tests and the benchmark: which ISA `isa` (0 = auto) resolves to on this CPU (1 portable, 2 AVX2, 3 AVX-512).
+extern "C" int PocketjaxSkinnyMatmulIsa(int32_t requested) { return ResolveIsa(requested); }
