@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
+from ..errors import ConfigError
+
 log = logging.getLogger("pocketjax")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "skinny_matmul.cc"
@@ -37,7 +39,7 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi")  # no -ffast-mat
 # written; no -march=native: the ISA is chosen at run time, so a cache shared between CPUs stays correct
 TARGET = "pocketjax_skinny_matmul"
 KERNEL_ROWS = 8  # rows register-blocked in one pass over the weight (more rows: one pass per 8)
-ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3}  # the kernel's `isa` attribute (csrc: ResolveIsa)
+ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # the kernel's `isa` (csrc: ResolveIsa)
 
 
 def cache_dir() -> Path:
@@ -123,7 +125,8 @@ def _library() -> ctypes.CDLL | None:
         log.warning("pocketjax cpu kernel: cannot load %s (%s); bf16 products use XLA's form", path, e)
         return None
     lib.PocketjaxSkinnyMatmulIsa.restype = ctypes.c_int
-    log.info("pocketjax cpu kernel: %s loaded (%s)", path.name, resolved_isa_name(lib))
+    log.info("pocketjax cpu kernel: %s loaded (bf16 x: %s, f32 x: %s)", path.name,
+             resolved_isa_name(jnp.bfloat16, lib=lib), resolved_isa_name(jnp.float32, lib=lib))
     return lib
 
 
@@ -132,10 +135,10 @@ def skinny_matmul_available() -> bool:
     return _library() is not None
 
 
-def resolved_isa_name(lib: ctypes.CDLL | None = None, isa: str = "auto") -> str:
-    """Which code path `isa` runs on this CPU: "avx512", "avx2" or "portable"."""
+def resolved_isa_name(x_dtype, isa: str = "auto", lib: ctypes.CDLL | None = None) -> str:
+    """Which code path (an ISAS name) `isa` runs on this CPU for an x of `x_dtype`."""
     lib = lib or _library()
-    code = lib.PocketjaxSkinnyMatmulIsa(ctypes.c_int(ISAS[isa]))
+    code = lib.PocketjaxSkinnyMatmulIsa(ctypes.c_int(ISAS[isa]), ctypes.c_int(jnp.dtype(x_dtype) == jnp.bfloat16))
     return {v: k for k, v in ISAS.items()}[code]
 
 
@@ -145,13 +148,15 @@ def skinny_matmul(x: jax.Array, w: jax.Array, isa: str = "auto") -> jax.Array:
     Any row count is correct (one pass over the weight per KERNEL_ROWS rows); decode sizes are what it is for.
     Differentiable (the derivative is XLA's product) and vmappable (one call per batch element). Call only where
     `skinny_matmul_available()`; on one device (XLA cannot partition the call: on a mesh it would gather w).
-    `isa` forces a code path (tests): "auto", "portable", "avx2", "avx512".
+    `isa` forces a code path (tests, benchmarks): one of ISAS (`resolved_isa_name` says which runs).
     """
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or w.dtype != jnp.bfloat16:
-        raise ValueError(f"skinny_matmul: x [rows, in] and a bfloat16 w [out, in], got {x.shape} {x.dtype} and "
-                         f"{w.shape} {w.dtype}")
-    if x.dtype not in (jnp.float32, jnp.bfloat16):
-        raise ValueError(f"skinny_matmul: x must be float32 or bfloat16, got {x.dtype}")
+        raise ConfigError(f"skinny_matmul: x [rows, in] and a bfloat16 w [out, in], got {x.shape} {x.dtype} and "
+                          f"{w.shape} {w.dtype}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or isa not in ISAS:
+        raise ConfigError(f"skinny_matmul: x float32 or bfloat16 and isa one of {tuple(ISAS)}, got {x.dtype}, {isa!r}")
+    if not skinny_matmul_available():
+        raise ConfigError("skinny_matmul: the CPU kernel is not available in this process (see the log)")
     return _product(x, w, isa)
 
 

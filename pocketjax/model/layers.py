@@ -14,7 +14,7 @@ import pallas_kernels
 from pallas_kernels import reference, tuning
 
 from ..errors import ConfigError
-from . import quant
+from . import cpu_kernels, quant
 from .config import ModelConfig, rope_frequencies
 from .lora import LoraWeight
 from .quant import QuantizedWeight
@@ -74,22 +74,39 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Arr
 
 
 def bfloat16_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w.T for a bfloat16 weight [out, in] on CPU, in XLA:CPU's best bfloat16 form: bf16 operands, float32
-    accumulation (`preferred_element_type`), at least 2 rows.
+    """x @ w.T for a bfloat16 weight [out, in] on CPU, x rounded to bfloat16 and f32 sums, in one of two forms:
 
-    Per [3072, 1024] product, 16 distinct weights per call (benchmarks/xla_cpu_matmul.py --suites bf16): at 1 row
-    every other bf16 form (unpadded, the transposed w @ x.T, the weight upcast inside the step, a multiply-reduce
-    fusion) is 1.6-8x slower than this one. Whether this form beats float32 depends on the CPU's library path (on a
-    2-core AMD EPYC Zen 3, AVX2 without AVX512_BF16: 1.4-2.5x float32's time per product at 1 row, 7x in the whole
-    decode step), so `default_dtype` loads bfloat16 checkpoints as bfloat16 only where `bfloat16_probe` measured it
-    no slower.
+    - up to KERNEL_ROWS rows (decode) in one single-device program: pocketjax's own kernel
+      (`cpu_kernels.skinny_matmul`, compiled at first use), which streams the bf16 weight once for all rows. XLA:CPU
+      has no bf16 form that reads a bf16 weight at the memory's bandwidth at 1 row (10-21 GB/s where float32 reads
+      23-35), so a bf16 decode step, half float32's bytes, was no faster than float32 (issue 36). On a mesh XLA
+      cannot partition the kernel's custom call (it would gather the weight), so sharded programs keep XLA's form.
+    - otherwise, or where the kernel cannot be built: XLA:CPU's best bf16 form, bf16 operands with float32
+      accumulation (`preferred_element_type`), 1 row padded to 2; every other XLA form (unpadded, the transposed
+      w @ x.T, the weight upcast inside the step, a multiply-reduce fusion) is 1.6-8x slower at 1 row.
+
+    Per-product timings of both: benchmarks/xla_cpu_matmul.py --suites bf16. Whether bf16 beats float32 still
+    depends on the CPU, so `default_dtype` loads bfloat16 checkpoints as bfloat16 only where `bfloat16_probe`
+    measured this function no slower than float32's product.
     """
     rows = math.prod(x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16)
-    if rows == 1:
-        flat = jnp.pad(flat, ((0, 1), (0, 0)))
-    y = jax.lax.dot_general(flat, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:rows]
+    if rows <= KERNEL_ROWS and on_one_device(flat, w) and cpu_kernels.skinny_matmul_available():
+        y = cpu_kernels.skinny_matmul(flat, w)
+    else:
+        padded = jnp.pad(flat, ((0, 1), (0, 0))) if rows == 1 else flat
+        y = jax.lax.dot_general(padded, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:rows]
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+
+
+KERNEL_ROWS = cpu_kernels.KERNEL_ROWS  # up to this many rows bf16 products run in pocketjax's kernel
+
+
+def on_one_device(*arrays: jax.Array) -> bool:
+    """True when the program placing `arrays` is not partitioned: none is on a mesh of several devices, and no
+    `jax.set_mesh` context names one. Decided at trace time (a static choice of product form)."""
+    meshes = [jax.typeof(a).sharding.mesh for a in arrays] + [jax.sharding.get_abstract_mesh()]
+    return all(m.empty or m.size == 1 for m in meshes)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,11 @@
 // only in summation order. x is float32 or bfloat16 (converted to f32 once, exactly); y is x's dtype (bf16 rounded
 // to nearest even, as XLA's convert). Output rows are split over XLA's intra-op thread pool.
 //
-// ISA: AVX-512 (F+BW+VL) or AVX2+FMA chosen at run time (__builtin_cpu_supports), else a portable loop the compiler
-// vectorizes for the base ISA (e.g. aarch64 NEON). The `isa` attribute forces one (tests): 0 auto, 1 portable,
-// 2 AVX2, 3 AVX-512; a forced ISA the CPU lacks falls back to the portable loop.
+// ISA, chosen at run time (__builtin_cpu_supports): for a bf16 x AVX512_BF16's vdpbf16ps (32 products per
+// instruction: at 2-8 rows an FMA path is compute bound on a slow core), else AVX-512 (F+BW+VL) or AVX2+FMA, else
+// a portable loop the compiler vectorizes for the base ISA (e.g. aarch64 NEON). The `isa` attribute forces one
+// (tests, benchmarks): 0 auto, 1 portable, 2 AVX2, 3 AVX-512, 4 AVX512_BF16; one the CPU lacks falls back to the
+// next below it (AVX512_BF16 -> AVX-512 -> portable, AVX2 -> portable).
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -51,7 +53,8 @@ inline uint16_t F32ToBf16(float f) {  // round to nearest even; NaN stays a (qui
 
 // One job: output features [n0, n1) of y for x rows [0, R), each an f32 sum written in y's dtype.
 struct Job {
-  const float* x;     // [R, K] f32
+  const float* x;     // [R, K] f32 (the FMA paths)
+  const uint16_t* xb;  // [R, K] bf16 bits when x is bf16 (the dot-product path reads it as is), else null
   const uint16_t* w;  // [N, K] bf16 bits
   void* y;            // [R, N] f32 or bf16 (y_bf16)
   bool y_bf16;
@@ -89,38 +92,47 @@ void RowsPortable(const Job& j, int64_t n0, int64_t n1) {
 }
 
 #if PJ_X86
-// ---- AVX2 + FMA: 8 lanes; NB weight rows at a time share each x load ---------------------------------------------
+// The vector paths: NB weight rows (contiguous in [out, in]) at a time, each loaded once per k step and multiplied
+// with every x row; NB * R accumulators stay in registers (all loops below unroll: R, NB are constants, and only
+// local pointers are read inside the k loop, so nothing aliases the accumulators).
+
+// ---- AVX2 + FMA: 8 lanes, scalar tail ------------------------------------------------------------------------
+#define PJ_AVX2 __attribute__((target("avx2,fma")))
 template <int R, int NB>
-__attribute__((target("avx2,fma"))) void BlockAvx2(const Job& j, int64_t n) {
+PJ_AVX2 void BlockAvx2(const Job& j, int64_t n) {
   const int64_t K = j.K, kv = K / 8 * 8;
+  const uint16_t* __restrict w = j.w + n * K;
+  const float* __restrict x = j.x;
   __m256 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kv; k += 8) {
     __m256 wv[NB];
     for (int b = 0; b < NB; ++b) {
-      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(j.w + (n + b) * K + k));
+      __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * K + k));
       wv[b] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
     for (int r = 0; r < R; ++r) {
-      __m256 xv = _mm256_loadu_ps(j.x + r * K + k);
+      __m256 xv = _mm256_loadu_ps(x + r * K + k);
       for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
     }
   }
+  float sums[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) {
       __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[b][r]), _mm256_extractf128_ps(acc[b][r], 1));
       s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
       s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
       float s = _mm_cvtss_f32(s4);
-      const uint16_t* wr = j.w + (n + b) * K;
-      for (int64_t k = kv; k < K; ++k) s += Bf16ToF32(wr[k]) * j.x[r * K + k];
-      j.Store(r, n + b, s);
+      for (int64_t k = kv; k < K; ++k) s += Bf16ToF32(w[b * K + k]) * x[r * K + k];
+      sums[b][r] = s;
     }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) j.Store(r, n + b, sums[b][r]);
 }
 
 template <int R>
-__attribute__((target("avx2,fma"))) void RowsAvx2(const Job& j, int64_t n0, int64_t n1) {
+PJ_AVX2 void RowsAvx2(const Job& j, int64_t n0, int64_t n1) {
   constexpr int NB = R <= 2 ? 4 : (R <= 4 ? 2 : 1);  // NB * R accumulators + NB weights + 1 x within 16 ymm
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) BlockAvx2<R, NB>(j, n);
@@ -128,38 +140,95 @@ __attribute__((target("avx2,fma"))) void RowsAvx2(const Job& j, int64_t n0, int6
 }
 
 // ---- AVX-512 (F, BW, VL): 16 lanes, masked tail ---------------------------------------------------------------
-#define PJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline)) inline
+#define PJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 template <int R, int NB>
-PJ_AVX512 void StepAvx512(const Job& j, int64_t n, int64_t k, __mmask16 m, __m512 (&acc)[NB][R]) {
-  __m512 wv[NB];
-  for (int b = 0; b < NB; ++b) {
-    __m256i h = _mm256_maskz_loadu_epi16(m, j.w + (n + b) * j.K + k);
-    wv[b] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-  }
-  for (int r = 0; r < R; ++r) {
-    __m512 xv = _mm512_maskz_loadu_ps(m, j.x + r * j.K + k);
-    for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
-  }
-}
-
-template <int R, int NB>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void BlockAvx512(const Job& j, int64_t n) {
+PJ_AVX512 void BlockAvx512(const Job& j, int64_t n) {
   const int64_t K = j.K, kv = K / 16 * 16;
+  const uint16_t* __restrict w = j.w + n * K;
+  const float* __restrict x = j.x;
   __m512 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < kv; k += 16) StepAvx512<R, NB>(j, n, k, 0xffff, acc);
-  if (kv < K) StepAvx512<R, NB>(j, n, kv, static_cast<__mmask16>((1u << (K - kv)) - 1), acc);
+  for (int64_t k = 0; k < kv; k += 16) {
+    __m512 wv[NB];
+    for (int b = 0; b < NB; ++b) {
+      __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * K + k));
+      wv[b] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
+    }
+  }
+  if (kv < K) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (K - kv)) - 1);
+    __m512 wv[NB];
+    for (int b = 0; b < NB; ++b) {
+      __m256i h = _mm256_maskz_loadu_epi16(m, w + b * K + kv);
+      wv[b] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + kv);
+      for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
+    }
+  }
+  float sums[NB][R];
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) j.Store(r, n + b, _mm512_reduce_add_ps(acc[b][r]));
+    for (int r = 0; r < R; ++r) sums[b][r] = _mm512_reduce_add_ps(acc[b][r]);
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) j.Store(r, n + b, sums[b][r]);
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void RowsAvx512(const Job& j, int64_t n0, int64_t n1) {
+PJ_AVX512 void RowsAvx512(const Job& j, int64_t n0, int64_t n1) {
   constexpr int NB = R <= 2 ? 8 : (R <= 4 ? 4 : 2);  // NB * R accumulators + NB weights + 1 x within 32 zmm
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) BlockAvx512<R, NB>(j, n);
   for (; n < n1; ++n) BlockAvx512<R, 1>(j, n);
+}
+
+// ---- AVX512_BF16 (bf16 x only): vdpbf16ps multiplies 32 bf16 pairs into 16 f32 sums per instruction, the weight
+// and x used as stored (no conversion). Products of two bf16 are exact in f32, so this is f32 summation in another
+// order (pairs of neighbours first); like every AVX512_BF16 op it treats bf16 denormals as zero.
+#define PJ_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+template <int R, int NB>
+PJ_BF16 void BlockBf16(const Job& j, int64_t n) {
+  const int64_t K = j.K, kv = K / 32 * 32;
+  const uint16_t* __restrict w = j.w + n * K;
+  const uint16_t* __restrict x = j.xb;
+  __m512 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < kv; k += 32) {
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + b * K + k);
+    for (int r = 0; r < R; ++r) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
+      for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[b], xv);
+    }
+  }
+  if (kv < K) {
+    const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (K - kv)) - 1);
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + b * K + kv);
+    for (int r = 0; r < R; ++r) {
+      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * K + kv);
+      for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[b], xv);
+    }
+  }
+  float sums[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) sums[b][r] = _mm512_reduce_add_ps(acc[b][r]);
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) j.Store(r, n + b, sums[b][r]);
+}
+
+template <int R>
+PJ_BF16 void RowsBf16(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int NB = R <= 2 ? 8 : (R <= 4 ? 4 : 2);
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) BlockBf16<R, NB>(j, n);
+  for (; n < n1; ++n) BlockBf16<R, 1>(j, n);
 }
 #endif
 
@@ -167,16 +236,20 @@ using RowsFn = void (*)(const Job&, int64_t, int64_t);
 
 #define PJ_TABLE(fn) {fn<1>, fn<2>, fn<3>, fn<4>, fn<5>, fn<6>, fn<7>, fn<8>}
 
-int ResolveIsa(int32_t requested) {
+// The code path for `requested` (0 auto) and x's dtype: 4 AVX512_BF16 (bf16 x only), 3 AVX-512, 2 AVX2, 1 portable.
+int ResolveIsa(int32_t requested, bool x_bf16) {
 #if PJ_X86
   bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                 __builtin_cpu_supports("avx512vl");
+  bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && x_bf16;
   bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (requested == 0) return avx512 ? 3 : (avx2 ? 2 : 1);
-  if (requested == 3 && avx512) return 3;
+  if (requested == 0) return bf16 ? 4 : (avx512 ? 3 : (avx2 ? 2 : 1));
+  if (requested == 4 && bf16) return 4;
+  if (requested >= 3 && avx512) return 3;
   if (requested == 2 && avx2) return 2;
 #else
   (void)requested;
+  (void)x_bf16;
 #endif
   return 1;
 }
@@ -186,6 +259,8 @@ RowsFn Select(int isa, int rows) {
 #if PJ_X86
   static const RowsFn avx2[kMaxRows] = PJ_TABLE(RowsAvx2);
   static const RowsFn avx512[kMaxRows] = PJ_TABLE(RowsAvx512);
+  static const RowsFn bf16[kMaxRows] = PJ_TABLE(RowsBf16);
+  if (isa == 4) return bf16[rows - 1];
   if (isa == 3) return avx512[rows - 1];
   if (isa == 2) return avx2[rows - 1];
 #endif
@@ -220,12 +295,12 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
     return ffi::Error::InvalidArgument("pocketjax skinny_matmul: x and y must both be float32 or bfloat16");
   const int64_t rows = xd[0], K = xd[1], N = wd[0];
   if (rows == 0 || N == 0) return ffi::Error::Success();
-  const int resolved = ResolveIsa(isa);
+  const int resolved = ResolveIsa(isa, xt == ffi::DataType::BF16);
 
   // An f32 copy of a bf16 x (exact): rows * in floats, small at decode; reused across calls on this thread.
   thread_local std::vector<float> xf;
   const float* x32 = static_cast<const float*>(x.untyped_data());
-  if (xt == ffi::DataType::BF16) {
+  if (xt == ffi::DataType::BF16 && resolved != 4) {
     if (static_cast<int64_t>(xf.size()) < rows * K) xf.resize(rows * K);
     const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
     for (int64_t i = 0; i < rows * K; ++i) xf[i] = Bf16ToF32(xb[i]);
@@ -239,7 +314,8 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi:
   for (int64_t r0 = 0; r0 < rows; r0 += kMaxRows) {  // more than 8 rows: the weight is read once per 8
     const int64_t R = rows - r0 < kMaxRows ? rows - r0 : kMaxRows;
     auto s = std::make_shared<Shared>();
-    s->job = Job{x32 + r0 * K, reinterpret_cast<const uint16_t*>(w.typed_data()), ybase + r0 * N * ysize, y_bf16,
+    const uint16_t* xb = xt == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) + r0 * K : nullptr;
+    s->job = Job{x32 + r0 * K, xb, reinterpret_cast<const uint16_t*>(w.typed_data()), ybase + r0 * N * ysize, y_bf16,
                  R, K, N};
     s->fn = Select(resolved, static_cast<int>(R));
     // ~4 chunks per thread (load balance on a shared machine), each a multiple of 16 features, >= 64 KiB of weight
@@ -267,5 +343,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxSkinnyMatmul, SkinnyMatmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("isa"));
 
-// For tests and the benchmark: which ISA `isa` (0 = auto) resolves to on this CPU (1 portable, 2 AVX2, 3 AVX-512).
-extern "C" int PocketjaxSkinnyMatmulIsa(int32_t requested) { return ResolveIsa(requested); }
+// For tests and the benchmark: the code path `isa` (0 = auto) resolves to on this CPU for x's dtype.
+extern "C" int PocketjaxSkinnyMatmulIsa(int32_t requested, int32_t x_bf16) { return ResolveIsa(requested, x_bf16); }
