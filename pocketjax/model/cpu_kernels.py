@@ -38,7 +38,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "skinny_matmul.cc"
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi")  # no -ffast-math: sums as
 # written; no -march=native: the ISA is chosen at run time, so a cache shared between CPUs stays correct
 TARGET = "pocketjax_skinny_matmul"
-KERNEL_ROWS = 8  # rows register-blocked in one pass over the weight (more rows: one pass per 8)
+BLOCK_ROWS = 8  # rows register-blocked in one pass over the weight (more rows: one pass per 8)
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # the kernel's `isa` (csrc: ResolveIsa)
 
 
@@ -145,7 +145,7 @@ def resolved_isa_name(x_dtype, isa: str = "auto", lib: ctypes.CDLL | None = None
 def skinny_matmul(x: jax.Array, w: jax.Array, isa: str = "auto") -> jax.Array:
     """x [rows, in] (float32 or bfloat16) @ w [out, in].T for a bfloat16 w: f32 sums, returned in x's dtype.
 
-    Any row count is correct (one pass over the weight per KERNEL_ROWS rows); decode sizes are what it is for.
+    Any row count is correct (one pass over the weight per BLOCK_ROWS rows); decode sizes are what it is for.
     Differentiable (the derivative is XLA's product) and vmappable (one call per batch element). Call only where
     `skinny_matmul_available()`; on one device (XLA cannot partition the call: on a mesh it would gather w).
     `isa` forces a code path (tests, benchmarks): one of ISAS (`resolved_isa_name` says which runs).

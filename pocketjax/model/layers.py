@@ -99,7 +99,9 @@ def bfloat16_product(x: jax.Array, w: jax.Array) -> jax.Array:
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-KERNEL_ROWS = cpu_kernels.KERNEL_ROWS  # up to this many rows bf16 products run in pocketjax's kernel
+KERNEL_ROWS = 2  # up to this many rows bf16 products run in pocketjax's kernel: at 4-8 rows XLA's bf16 dot (AMX /
+# AVX512_BF16 library code where the CPU has it) measured faster than the kernel's FMAs on a slow shared core (2-core
+# Sapphire Rapids, benchmarks/README.md "bfloat16 on CPU"), so the kernel takes the memory-bound 1-2 row products
 
 
 def on_one_device(*arrays: jax.Array) -> bool:
