@@ -19,8 +19,10 @@ Suites:
   s8 dots).
 - bf16: bfloat16 weights [out, in] beside the float32 product `linear` runs: bf16 x bf16 -> f32 as x @ w.T with
   1 row padded to 2 (`layers.bfloat16_product`), unpadded, padded to 8, the transposed w @ x.T, the weight upcast to
-  f32 inside the step, and a multiply-reduce fusion (no library dot). Which is fastest, and whether any beats
-  float32, depends on the CPU: `layers.bfloat16_probe` measures the chosen form against float32 once per process.
+  f32 inside the step, a multiply-reduce fusion (no library dot), pocketjax's own kernel (`cpu_kernels.skinny_matmul`,
+  one row per code path this CPU has) and `layers.bfloat16_product` (the form `linear` picks: the kernel up to
+  `layers.KERNEL_ROWS` rows). Which is fastest, and whether any beats float32, depends on the CPU:
+  `layers.bfloat16_probe` measures the chosen form against float32 once per process.
 - attention: decode QK^T over an f32 cache [slots, kv_heads, T, D] as q @ K^T (einsum), as K @ q^T (the cache as the
   row-major left operand, barrier, transposed: what the XLA path does on CPU), and P @ V.
 
@@ -35,6 +37,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the children import pocketjax from this checkout
 
 FLAG_SETS = {
     "default": "",
@@ -216,9 +221,13 @@ def suite_attention(rng, reps: int) -> list[dict]:
 
 
 def suite_bf16(rng, reps: int) -> list[dict]:
+    import functools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    from pocketjax.model import cpu_kernels, layers
 
     barrier = jax.lax.optimization_barrier
     f32 = dict(preferred_element_type=jnp.float32)
@@ -240,7 +249,12 @@ def suite_bf16(rng, reps: int) -> list[dict]:
             lambda x, w: barrier(w.astype(jnp.float32) @ x.T.astype(jnp.float32)).T, "bfloat16"),
         "multiply-reduce in f32 (one fusion)": (
             lambda x, w: (w.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None]).sum(-1), "bfloat16"),
+        "layers.bfloat16_product (what linear runs)": (layers.bfloat16_product, "bfloat16"),
     }
+    if cpu_kernels.skinny_matmul_available():  # pocketjax's kernel in each code path this CPU has
+        for isa in sorted({cpu_kernels.resolved_isa_name(jnp.bfloat16, i) for i in cpu_kernels.ISAS},
+                          key=list(cpu_kernels.ISAS).index):
+            forms[f"pocketjax kernel ({isa})"] = (functools.partial(cpu_kernels.skinny_matmul, isa=isa), "bfloat16")
     out = []
     for shape_name, (n, k) in SHAPES.items():
         wf = [(jnp.asarray(rng.standard_normal((n, k), dtype=np.float32)),) for _ in range(WEIGHTS)]

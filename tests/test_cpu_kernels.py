@@ -125,3 +125,10 @@ def test_cache_hit_does_not_rebuild(tmp_path, monkeypatch):
     assert cpu_kernels.build(directory=tmp_path) == lib and lib.stat().st_mtime_ns == mtime
     assert all("--version" in c for c in calls)  # only the compiler's version, for the key: no compile
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]  # built under a temp name, renamed
+
+
+def test_the_env_switch_turns_the_kernel_off(monkeypatch):
+    w, x = jnp.ones((16, 8), jnp.bfloat16), jnp.ones((1, 8), jnp.bfloat16)
+    monkeypatch.setenv("POCKETJAX_CPU_KERNELS", "off")
+    assert not cpu_kernels.skinny_matmul_available()
+    assert cpu_kernels.TARGET not in jax.jit(layers.linear).lower(x, w).as_text()

@@ -10,7 +10,8 @@ compiler into a cache directory (POCKETJAX_KERNEL_CACHE, else $XDG_CACHE_HOME/po
 ~/.cache/pocketjax/kernels), one file per hash of (source, flags, compiler version, jaxlib version, CPU flags), built
 under a temporary name and renamed into place so concurrent processes never load a half-written library. No
 compiler (POCKETJAX_CXX, else CXX, else c++ / g++ / clang++ on PATH; POCKETJAX_CXX=none disables the kernel) or a
-failed build logs once and `skinny_matmul_available()` is False: callers keep XLA's form.
+failed build logs once and `skinny_matmul_available()` is False: callers keep XLA's form (as with
+POCKETJAX_CPU_KERNELS=off).
 """
 from __future__ import annotations
 
@@ -131,7 +132,10 @@ def _library() -> ctypes.CDLL | None:
 
 
 def skinny_matmul_available() -> bool:
-    """True where the kernel is compiled, loaded and registered in this process (builds it on the first call)."""
+    """True where the kernel is compiled, loaded and registered in this process (builds it on the first call), unless
+    POCKETJAX_CPU_KERNELS=off (read at each trace: XLA's forms, e.g. to profile the step without the kernel)."""
+    if os.environ.get("POCKETJAX_CPU_KERNELS", "").strip().lower() in ("0", "off", "false", "no"):
+        return False
     return _library() is not None
 
 
