@@ -74,34 +74,39 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Arr
 
 
 def bfloat16_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w.T for a bfloat16 weight [out, in] on CPU, x rounded to bfloat16 and f32 sums, in one of two forms:
+    """x @ w.T for a bfloat16 weight [out, in] on CPU, x rounded to bfloat16 and f32 sums, in the form measured
+    fastest per row count (benchmarks/xla_cpu_matmul.py --suites bf16; benchmarks/README.md "bfloat16 on CPU"):
 
-    - up to KERNEL_ROWS rows (decode) in one single-device program: pocketjax's own kernel
-      (`cpu_kernels.skinny_matmul`, compiled at first use), which streams the bf16 weight once for all rows. XLA:CPU
-      has no bf16 form that reads a bf16 weight at the memory's bandwidth at 1 row (10-21 GB/s where float32 reads
-      23-35), so a bf16 decode step, half float32's bytes, was no faster than float32 (issue 36). On a mesh XLA
-      cannot partition the kernel's custom call (it would gather the weight), so sharded programs keep XLA's form.
-    - otherwise, or where the kernel cannot be built: XLA:CPU's best bf16 form, bf16 operands with float32
-      accumulation (`preferred_element_type`), 1 row padded to 2; every other XLA form (unpadded, the transposed
-      w @ x.T, the weight upcast inside the step, a multiply-reduce fusion) is 1.6-8x slower at 1 row.
+    - 1 row in a single-device program: pocketjax's own kernel (`cpu_kernels.skinny_matmul`, compiled at first use),
+      which streams the bf16 weight at the memory's bandwidth. XLA:CPU has no 1-row bf16 form that does (its best,
+      padded to 2 rows, reads 10-21 GB/s where float32 reads 23-35; unpadded, transposed or upcast forms take 6-10x
+      longer), so a bf16 decode step, half float32's bytes, was no faster than float32 (issue 36). On a mesh XLA
+      cannot partition the kernel's custom call (it would gather the weight): sharded programs use the forms below.
+    - 2..BF16_SKINNY_ROWS rows: XLA's bf16 dot as w @ x.T with f32 accumulation, materialized (barrier) and
+      transposed, as `linear` does for float32: 20-32 GB/s, ahead of the kernel's FMAs there (compute bound on a
+      slow core) and of x @ w.T.
+    - 1 row without the kernel (no compiler, POCKETJAX_CPU_KERNELS=off, a mesh): x @ w.T padded to 2 rows; beyond
+      BF16_SKINNY_ROWS (prefill): x @ w.T.
 
-    Per-product timings of both: benchmarks/xla_cpu_matmul.py --suites bf16. Whether bf16 beats float32 still
-    depends on the CPU, so `default_dtype` loads bfloat16 checkpoints as bfloat16 only where `bfloat16_probe`
-    measured this function no slower than float32's product.
+    Whether bf16 beats float32 still depends on the CPU, so `default_dtype` loads bfloat16 checkpoints as bfloat16
+    only where `bfloat16_probe` measured this function no slower than float32's product.
     """
     rows = math.prod(x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16)
+    nk = (((1,), (1,)), ((), ()))
     if rows <= KERNEL_ROWS and on_one_device(flat, w) and cpu_kernels.skinny_matmul_available():
         y = cpu_kernels.skinny_matmul(flat, w)
+    elif 2 <= rows <= BF16_SKINNY_ROWS:
+        y = jax.lax.optimization_barrier(jax.lax.dot_general(w, flat, nk, preferred_element_type=jnp.float32)).T
     else:
         padded = jnp.pad(flat, ((0, 1), (0, 0))) if rows == 1 else flat
-        y = jax.lax.dot_general(padded, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)[:rows]
+        y = jax.lax.dot_general(padded, w, nk, preferred_element_type=jnp.float32)[:rows]
     return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
-KERNEL_ROWS = 2  # up to this many rows bf16 products run in pocketjax's kernel: at 4-8 rows XLA's bf16 dot (AMX /
-# AVX512_BF16 library code where the CPU has it) measured faster than the kernel's FMAs on a slow shared core (2-core
-# Sapphire Rapids, benchmarks/README.md "bfloat16 on CPU"), so the kernel takes the memory-bound 1-2 row products
+KERNEL_ROWS = 1  # bf16 products of this many rows run in pocketjax's kernel (it reads the weight once for up to 8
+# rows, but at 2-8 rows XLA's transposed bf16 dot measured faster on a 2-core Sapphire Rapids)
+BF16_SKINNY_ROWS = 8  # up to this many rows the transposed bf16 dot (measured at 2, 4, 8)
 
 
 def on_one_device(*arrays: jax.Array) -> bool:
