@@ -31,9 +31,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from benchmarks.presets import build_preset  # noqa: E402
+from pocketjax.engine import engine as engine_module  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
+from pocketjax.engine.plan import decode_from_host, verify_plans  # noqa: E402
+from pocketjax.engine.request import BatchedRequest  # noqa: E402
+from pocketjax.engine.steps import decode_step, sample_step, verify_sample_step, verify_step  # noqa: E402
 from pocketjax.engine.request import RequestStatus  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
@@ -72,21 +77,19 @@ def functions(source: str) -> list[str]:
 
 
 def workloads(tokenizer: Tokenizer, n: int) -> dict[str, list[list[int]]]:
-    """n copy-heavy prompts and n free-generation prompts, from different held-out files."""
-    copy, free = [], []
+    """n copy-heavy prompts and n free-generation prompts: the first fitting function of each held-out file (then
+    its second, and so on, where the files have too few), and the middle of each file long enough."""
+    blocks, free = [], []
     for source in held_out_sources():
-        if len(copy) < n:
-            for block in functions(source):
-                ids = tokenizer.encode(block)
-                if 120 <= len(ids) <= 200:
-                    copy.append(tokenizer.encode(block + "\n\n\n" + block.splitlines()[0] + "\n"))
-                    break
+        blocks.append([b for b in functions(source) if 120 <= len(tokenizer.encode(b)) <= 200])
         if len(free) < n:
             ids = tokenizer.encode(source)
             if len(ids) >= 400:
                 free.append(ids[200:320])
-        if len(copy) == n and len(free) == n:
+        if len(free) == n and sum(1 for b in blocks if b) >= n:
             break
+    ordered = [b[i] for i in range(max(map(len, blocks), default=0)) for b in blocks if i < len(b)]
+    copy = [tokenizer.encode(b + "\n\n\n" + b.splitlines()[0] + "\n") for b in ordered[:n]]
     return {"copy": copy, "free": free}
 
 
@@ -100,14 +103,26 @@ def cycle(engine: Engine, prompts: list[list[int]], gen_len: int) -> dict:
     before = sum(len(h.request.generated_tokens) for h in handles)
     spec = engine.speculator
     accepted, proposed = (spec.total_accepted, spec.total_proposed) if spec else (0, 0)
+    verifies = [0]
+    dispatch = engine.verify_dispatch
+
+    def counted(*args, **kwargs):
+        verifies[0] += 1
+        return dispatch(*args, **kwargs)
+
+    engine.verify_dispatch = counted  # (an instance attribute: the scheduler calls it, nothing else changes)
     steps, start = 0, time.perf_counter()
-    while sched.has_work():
-        sched.step()
-        steps += 1
+    try:
+        while sched.has_work():
+            sched.step()
+            steps += 1
+    finally:
+        del engine.verify_dispatch
     seconds = time.perf_counter() - start
     tokens = [h.result().token_ids for h in handles]
     made = sum(map(len, tokens)) - before
-    out = dict(seconds=seconds, tokens=made, tok_s=made / seconds, steps=steps, token_ids=tokens)
+    out = dict(seconds=seconds, tokens=made, tok_s=made / seconds, steps=steps, verifies=verifies[0],
+               token_ids=tokens)
     if spec:
         out.update(accepted=spec.total_accepted - accepted, proposed=spec.total_proposed - proposed)
     return out
@@ -147,12 +162,138 @@ def run_benchmark(models: list[str], concurrency: list[int], gen_len: int, repea
                               acceptance_rate=round(fast["accepted"] / fast["proposed"], 3) if fast["proposed"] else 0,
                               tokens_per_step=round(fast["tokens"] / fast["steps"] / c, 2),
                               plain_tokens_per_step=round(base["tokens"] / base["steps"] / c, 2),
+                              steps=fast["steps"], verify_steps=fast["verifies"],
+                              step_ms=round(1e3 * fast["seconds"] / fast["steps"], 2),
+                              plain_step_ms=round(1e3 * base["seconds"] / base["steps"], 2),
                               identical=fast["token_ids"] == base["token_ids"])
                 records.append(record)
                 print(json.dumps(record), flush=True)
     machine["loadavg_end"] = os.getloadavg()
     return dict(machine=machine, settings=dict(models=models, concurrency=concurrency, gen_len=gen_len,
                                                repeats=repeats, speculative=spec_config), records=records)
+
+
+def median_ms(fn, iters: int) -> float:
+    """The median wall milliseconds of `iters` calls of fn (which blocks on what it times), after one untimed call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return float(np.median(times))
+
+
+def profile_rows(engine: Engine, prompts: list[list[int]], iters: int) -> dict:
+    """Where a verify step's time goes against a plain decode step, over len(prompts) requests: the device time of
+    each jitted step (`block_until_ready`), the host time of drafting, planning, dispatch and collect, and the
+    device->host transfers (leaves read) per step. Drafts are k copies of a fixed token: the full compiled width."""
+    sp = SamplingParams(max_tokens=10 * iters + 64, temperature=0.0, ignore_eos=True)
+    reqs = [BatchedRequest(f"p{i}", list(p), sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.allocate_slot(r)
+    try:
+        engine.batch_prefill(reqs)
+        engine.batch_decode_step(reqs)
+        rules, k = engine.rules, engine.speculator.k
+        cached = lambda slot: len(engine.slots.tokens[slot])  # noqa: E731
+        drafts = [[7] * k for _ in reqs]
+        step = dict(config=engine.model.config, impl=engine.impl)
+        _, dplan, splan = decode_from_host(rules, reqs, cached)
+        _, vplan, vsplan = verify_plans(rules, reqs, drafts, cached)
+        held = {}
+
+        def plain_forward():
+            engine.cache, held["logits"] = decode_step(engine.model.params, engine.cache, dplan, **step)
+            held["logits"].block_until_ready()
+
+        def plain_sample():
+            engine.penalties, out = sample_step(engine.penalties, held["logits"], splan)
+            out.tokens.block_until_ready()
+
+        def verify_forward():
+            engine.cache, held["vlogits"] = verify_step(engine.model.params, engine.cache, vplan, **step)
+            held["vlogits"].block_until_ready()
+
+        def verify_sample():
+            engine.penalties, out, accepted = verify_sample_step(engine.penalties, held["vlogits"], vsplan)
+            accepted.block_until_ready()
+
+        record = dict(rows=vplan.rows, requests=len(reqs))
+        for name, fn in (("plain_forward_ms", plain_forward), ("plain_sample_ms", plain_sample),
+                         ("verify_forward_ms", verify_forward), ("verify_sample_ms", verify_sample)):
+            record[name] = round(median_ms(fn, iters), 3)
+        record["draft_ms"] = round(median_ms(lambda: engine.draft(reqs), iters), 3)
+        record["plan_plain_ms"] = round(median_ms(lambda: decode_from_host(rules, reqs, cached), iters), 3)
+        record["plan_verify_ms"] = round(median_ms(lambda: verify_plans(rules, reqs, drafts, cached), iters), 3)
+        reads = []
+        real = engine_module.to_host
+
+        def counting(tree):
+            reads.append(len(jax.tree.leaves(tree)))
+            return real(tree)
+
+        engine_module.to_host = counting
+        try:
+            dispatch, collect, plain = [], [], []
+            for _ in range(iters):
+                start = time.perf_counter()
+                pending = engine.verify_dispatch(reqs, drafts)
+                mid = time.perf_counter()
+                engine.verify_collect(pending)
+                end = time.perf_counter()
+                dispatch.append(1e3 * (mid - start))
+                collect.append(1e3 * (end - mid))
+            record["verify_reads"] = reads[-1]
+            for _ in range(iters):
+                start = time.perf_counter()
+                engine.batch_decode_step(reqs)
+                plain.append(1e3 * (time.perf_counter() - start))
+            record["plain_reads"] = reads[-1]
+        finally:
+            engine_module.to_host = real
+        record.update(verify_dispatch_ms=round(float(np.median(dispatch)), 3),
+                      verify_dispatch_collect_ms=round(float(np.median(collect)), 3),
+                      verify_call_ms=round(float(np.median(np.add(dispatch, collect))), 3),
+                      plain_call_ms=round(float(np.median(plain)), 3))
+        return record
+    finally:
+        for r in reqs:
+            engine.free_slot(r.request_id)
+
+
+def run_profile(models: list[str], concurrency: list[int], k: int, iters: int, cache_dir: str) -> dict:
+    """`profile_rows` per model and request count, on the copy prompts."""
+    tokenizer = Tokenizer.from_folder(DEFAULT_MODEL)
+    prompts = workloads(tokenizer, max(concurrency))["copy"]
+    spec_config = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_max=4, prompt_lookup_min=2)
+    records = []
+    for name in models:
+        folder = DEFAULT_MODEL if name == "pocket-coder" else build_preset(name, Path(cache_dir) / name)
+        model = load_model(folder)
+        longest = max(map(len, prompts)) + 10 * iters + 64
+        engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=1 << (longest - 1).bit_length(),
+                        prefill_chunk=256, compile_cache_dir="off", speculative=spec_config)
+        for c in concurrency:
+            record = dict(model=name, k=k, **profile_rows(engine, prompts[:c], iters))
+            records.append(record)
+            print(json.dumps(record), flush=True)
+    return dict(settings=dict(models=models, concurrency=concurrency, k=k, iters=iters, loadavg=os.getloadavg()),
+                records=records)
+
+
+PROFILE_COLUMNS = ("plain_forward_ms", "plain_sample_ms", "verify_forward_ms", "verify_sample_ms", "draft_ms",
+                   "plan_plain_ms", "plan_verify_ms", "plain_call_ms", "verify_call_ms", "verify_dispatch_ms",
+                   "plain_reads", "verify_reads")
+
+
+def profile_table(result: dict) -> str:
+    rows = ["| model | k | rows | " + " | ".join(c.removesuffix("_ms").replace("_", " ") + (" ms" if c.endswith("_ms")
+            else "") for c in PROFILE_COLUMNS) + " |", "|---" * (3 + len(PROFILE_COLUMNS)) + "|"]
+    for r in result["records"]:
+        rows.append(f"| {r['model']} | {r['k']} | {r['rows']} | " + " | ".join(str(r[c]) for c in PROFILE_COLUMNS)
+                    + " |")
+    return "\n".join(rows)
 
 
 def table(result: dict) -> str:
@@ -174,7 +315,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where presets are built")
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true", help="time each part of a verify step against a plain one")
+    p.add_argument("--iters", type=int, default=10, help="--profile: timed calls per part (median)")
     args = p.parse_args(argv)
+    if args.profile:
+        result = run_profile(args.models.split(","), [int(c) for c in args.concurrency.split(",")], args.k,
+                             args.iters, args.cache_dir)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        print(profile_table(result))
+        return 0
     result = run_benchmark(args.models.split(","), [int(c) for c in args.concurrency.split(",")], args.gen_len,
                            args.repeats, args.k, args.cache_dir)
     if args.json:

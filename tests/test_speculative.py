@@ -194,17 +194,23 @@ def model_vocab(engine: Engine) -> int:
     return engine.model.config.vocab_size
 
 
-@pytest.mark.parametrize("case", ["greedy_penalties", "seeded_penalties"])
+@pytest.mark.parametrize("case", ["greedy_penalties", "seeded_penalties", "mixed_penalties", "seeded_neutral"])
 def test_identical_to_plain_decoding_with_true_drafts(engines, model, case):
     """Drafts of the true continuation, cut and corrupted at random: at every verify position the sampled token,
     its logprobs and the penalty state must be what plain decoding had (a frequency penalty that keeps breaking the
-    loops turns a missed count into other tokens; sampling, a wrong random stream)."""
+    loops turns a missed count into other tokens; sampling, a wrong random stream). `mixed_penalties`: one row
+    penalizes, its neighbour samples without (the sampler's penalized branch serves both); `seeded_neutral`: no row
+    penalizes (the branch that skips the penalty state), seeded sampling with logprobs."""
     plain, spec = engines
     sp = {"greedy_penalties": [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=3,
                                               frequency_penalty=0.3, presence_penalty=0.1)] * 2,
           "seeded_penalties": [SamplingParams(max_tokens=40, temperature=t, top_p=0.95, seed=s, ignore_eos=True,
                                               repetition_penalty=1.1, frequency_penalty=0.3)
-                               for s, t in ((1, 0.3), (2, 1.0))]}[case]
+                               for s, t in ((1, 0.3), (2, 1.0))],
+          "mixed_penalties": [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, frequency_penalty=0.3),
+                              SamplingParams(max_tokens=40, temperature=0.8, seed=5, ignore_eos=True, logprobs=2)],
+          "seeded_neutral": [SamplingParams(max_tokens=40, temperature=t, top_k=k, seed=s, ignore_eos=True, logprobs=3)
+                             for s, t, k in ((3, 0.5, 0), (4, 1.0, 20))]}[case]
     ps = prompts(3, (5, 20), model.config.vocab_size)
     want = run(plain, ps, sp, False)
     before = dict(spec.speculator.histogram)

@@ -230,13 +230,13 @@ def apply_penalties(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.
 
 
 @partial(jax.jit, static_argnames=("num_top", "num_candidates"))
-def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array, output_counts: jax.Array,
+def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array | None, output_counts: jax.Array | None,
            steps: jax.Array, allowed: jax.Array | None = None, *, num_top: int = 0,
            num_candidates: int = NUM_CANDIDATES) -> SampleOutput:
     """Returns each row's next token, its raw logprob and the raw top-`num_top` logprobs.
 
     logits f32[S, V] are the model's raw next-token logits; prompt_mask bool[S, V] and output_counts i32[S, V]
-    feed the penalties; steps i32[S] is the index of the token being generated (0 for the first). A row's
+    feed the penalties (both None: no row penalizes, and no penalty state is read); steps i32[S] is the index of the token being generated (0 for the first). A row's
     randomness is keyed by fold_in(key(seed), step) only, so its token never depends on the other rows, on its
     slot, or on which branch the batch took. `num_candidates` (static) only trades speed between the fast path
     and the exact fallback: the tokens are the same.
@@ -249,11 +249,15 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array, ou
     logits = logits.astype(jnp.float32)
     if allowed is not None:
         logits = mask_logits(logits, allowed)
-    penalize = partial(apply_penalties, arrays=arrays, prompt_mask=prompt_mask, output_counts=output_counts)
-    # Branches return tokens, never [S, V] arrays: a cond that returns the logits costs a 4.8 MB copy per step.
-    needs_penalty = jnp.any((arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0)
-                            | (arrays.frequency_penalty != 0))
-    greedy = lax.cond(needs_penalty, lambda: _argmax(penalize(logits)), lambda: _argmax(logits))
+    if prompt_mask is None:  # the caller knows no row penalizes (neutral penalties are an exact identity)
+        penalize = lambda x: x  # noqa: E731
+        greedy = _argmax(logits)
+    else:
+        penalize = partial(apply_penalties, arrays=arrays, prompt_mask=prompt_mask, output_counts=output_counts)
+        # Branches return tokens, never [S, V] arrays: a cond that returns the logits costs a 4.8 MB copy per step.
+        needs_penalty = jnp.any((arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0)
+                                | (arrays.frequency_penalty != 0))
+        greedy = lax.cond(needs_penalty, lambda: _argmax(penalize(logits)), lambda: _argmax(logits))
     sampled = (arrays.temperature >= GREEDY_EPS) & (arrays.top_k != 1)
     tokens = lax.cond(
         jnp.any(sampled),  # neutral penalties are an exact identity, so sampling applies them unconditionally
