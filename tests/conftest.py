@@ -1,10 +1,13 @@
 """Shared fixtures. XLA_FLAGS must be set before jax is imported anywhere, so TP2 runs on two CPU devices."""
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ["POCKETJAX_COMPILE_CACHE_DIR"] = "off"  # tests never write the user's compile cache (their own tests opt in)
+# the CPU kernel (model/cpu_kernels.py) builds once per test session, into a folder of its own, not the user's cache
+os.environ.setdefault("POCKETJAX_KERNEL_CACHE", tempfile.mkdtemp(prefix="pocketjax-kernels-"))
 
 import jax  # noqa: E402
 
