@@ -201,7 +201,13 @@ PJ_BF16 void BlockBf16(const Job& j, int64_t n) {
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kv; k += 32) {
     __m512bh wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + b * K + k);
+    for (int b = 0; b < NB; ++b) {
+      // 512 bytes ahead in each of the NB rows: 7-10% faster 1-row products than the hardware prefetcher alone
+      // (Qwen3-0.6B shapes, 16 cold weights, quiet box; 1 and 2 KiB ahead measured no better). A prefetch past the
+      // weight's end cannot fault.
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * K + k + 256), _MM_HINT_T0);
+      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * K + k);
+    }
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
       for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[b], xv);
