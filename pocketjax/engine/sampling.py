@@ -229,6 +229,11 @@ def apply_penalties(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.
     return logits - arrays.presence_penalty[:, None] * (counts > 0) - arrays.frequency_penalty[:, None] * counts
 
 
+def any_penalized(arrays: SamplingArrays) -> jax.Array:
+    """Whether any row has a non-neutral repetition, presence or frequency penalty (a traced bool)."""
+    return jnp.any((arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0) | (arrays.frequency_penalty != 0))
+
+
 @partial(jax.jit, static_argnames=("num_top", "num_candidates"))
 def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array | None, output_counts: jax.Array | None,
            steps: jax.Array, allowed: jax.Array | None = None, *, num_top: int = 0,
@@ -236,10 +241,10 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array | N
     """Returns each row's next token, its raw logprob and the raw top-`num_top` logprobs.
 
     logits f32[S, V] are the model's raw next-token logits; prompt_mask bool[S, V] and output_counts i32[S, V]
-    feed the penalties (both None: no row penalizes, and no penalty state is read); steps i32[S] is the index of the token being generated (0 for the first). A row's
-    randomness is keyed by fold_in(key(seed), step) only, so its token never depends on the other rows, on its
-    slot, or on which branch the batch took. `num_candidates` (static) only trades speed between the fast path
-    and the exact fallback: the tokens are the same.
+    feed the penalties (both None: no row penalizes, and no penalty state is read); steps i32[S] is the index of
+    the token being generated (0 for the first). A row's randomness is keyed by fold_in(key(seed), step) only, so
+    its token never depends on the other rows, on its slot, or on which branch the batch took. `num_candidates`
+    (static) only trades speed between the fast path and the exact fallback: the tokens are the same.
 
     `allowed` i32[S, ceil(V / 32)] (structured outputs: bit t % 32 of word t // 32 allows token t) sets every
     disallowed logit to -inf first, before penalties, temperature and filtering, so the token AND the reported
@@ -255,9 +260,7 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array | N
     else:
         penalize = partial(apply_penalties, arrays=arrays, prompt_mask=prompt_mask, output_counts=output_counts)
         # Branches return tokens, never [S, V] arrays: a cond that returns the logits costs a 4.8 MB copy per step.
-        needs_penalty = jnp.any((arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0)
-                                | (arrays.frequency_penalty != 0))
-        greedy = lax.cond(needs_penalty, lambda: _argmax(penalize(logits)), lambda: _argmax(logits))
+        greedy = lax.cond(any_penalized(arrays), lambda: _argmax(penalize(logits)), lambda: _argmax(logits))
     sampled = (arrays.temperature >= GREEDY_EPS) & (arrays.top_k != 1)
     tokens = lax.cond(
         jnp.any(sampled),  # neutral penalties are an exact identity, so sampling applies them unconditionally

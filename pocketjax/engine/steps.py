@@ -19,7 +19,7 @@ from ..model.config import ModelConfig
 from ..model.decoder import Hook, Params, decode_forward, lm_head, prefill_forward
 from ..model.kv_cache import KVCache, copy_prefix
 from .plan import DecodePlan, PrefillPlan, SamplePlan, VerifyPlan, VerifySamplePlan
-from .sampling import SampleOutput, sample, token_logprobs
+from .sampling import SampleOutput, any_penalized, sample, token_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -184,9 +184,7 @@ def verify_sample_step(penalties: Penalties, logits: jax.Array, plan: VerifySamp
 
     # The [rows * width, vocab] counts and masks cost more than the sampling itself (Qwen3's vocabulary: 143 of
     # 1443 ms at 8 rows on CPU, measured), and most batches have no penalized row: build them only when one has.
-    s = plan.sampling
-    needs_penalty = jnp.any((s.repetition_penalty != 1) | (s.presence_penalty != 0) | (s.frequency_penalty != 0))
-    out = lax.cond(needs_penalty, penalized, neutral)
+    out = lax.cond(any_penalized(plan.sampling), penalized, neutral)
     out = jax.tree_util.tree_map(lambda x: x.reshape(rows, width, *x.shape[1:]), out)
     agree = (out.tokens[:, :k] == plan.drafts) & (jnp.arange(k)[None, :] < plan.num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
