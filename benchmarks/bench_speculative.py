@@ -7,11 +7,17 @@ Prints a markdown table last; `--json` writes every record.
 
 Workloads, built from the standard library's held-out files (every 50th, which pocket-coder never trained on),
 tokenized with pocket-coder's tokenizer (its ids are valid in Qwen3's vocabulary too):
-  copy: a code edit. The prompt is a function of ~160 tokens, a blank line, and its first line again; greedy
-        decoding then tends to copy the function (what an editing request that rewrites a block does).
-  free: the first ~120 tokens of a file; the continuation is new code.
-Each cycle submits c requests to a `Scheduler` (pipelined, as served), steps it until every prompt is prefilled, and
-times the remaining steps: decode tok/s = tokens generated in them / their time. Greedy, ignore_eos, gen_len tokens
+  copy: continue a file where the file itself repeats earlier spans. For each held-out file, the window of
+        COPY_TOKENS tokens (at a multiple of 32, after COPY_CONTEXT tokens of the file) whose true continuation
+        the drafter would predict best (`lookup_tokens_per_step` on the file's own tokens, not on any model's
+        output); the files ranked by that score. The prompt is the COPY_CONTEXT tokens before the window.
+  edit: a function of ~160 tokens, two blank lines and its first line again; greedy decoding then tends to rewrite
+        the function (an editing request), though pocket-coder copies it loosely.
+  free: 120 tokens from the middle of a file; the continuation is new code.
+Each cycle runs every prompt of the workload (--prompts, default the largest concurrency) through a `Scheduler`
+(pipelined, as served), c at a time: each group is stepped until its prompts are prefilled, then its remaining steps
+are timed; decode tok/s = tokens generated in them / their time, over all groups (so 1 request is the mean over
+the prompts, not one prompt's luck). Greedy, ignore_eos, gen_len tokens
 each, so both sides do the same work; `identical` says the speculative tokens equal the plain ones. One untimed
 cycle each compiles the shapes; the figure is the best of --repeats timed cycles, plain and speculative interleaved
 (the box is shared: best, not median). The speculative engine keeps its measured step times (`StepClock`) from one
@@ -41,6 +47,7 @@ from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.steps import decode_step, sample_step, verify_sample_step, verify_step  # noqa: E402
 from pocketjax.engine.request import RequestStatus  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.speculative import NgramIndex  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 from pocketjax.serve.llm import DEFAULT_MODEL  # noqa: E402
 from pocketjax.serve.scheduler import Scheduler  # noqa: E402
@@ -76,31 +83,48 @@ def functions(source: str) -> list[str]:
     return blocks
 
 
+COPY_CONTEXT, COPY_TOKENS = 256, 64  # the copy workload's prompt length, and the continuation it is chosen by
+
+
+def lookup_tokens_per_step(context: list[int], continuation: list[int], k: int = 4) -> float:
+    """Tokens per step a verify-every-step decode would make if its output were `continuation`: the drafter's
+    proposals (`NgramIndex`, prompt_lookup 2-4) checked against it, as the verify step does."""
+    tokens, index, done, steps = list(context), NgramIndex(2, 4), 0, 0
+    while done < len(continuation):
+        draft = index.propose(tokens, k)
+        accepted = 0
+        while accepted < len(draft) and done + accepted < len(continuation) and \
+                draft[accepted] == continuation[done + accepted]:
+            accepted += 1
+        made = min(accepted + 1, len(continuation) - done)
+        tokens += continuation[done: done + made]
+        done, steps = done + made, steps + 1
+    return len(continuation) / steps
+
+
 def workloads(tokenizer: Tokenizer, n: int) -> dict[str, list[list[int]]]:
-    """n copy-heavy prompts and n free-generation prompts: the first fitting function of each held-out file (then
-    its second, and so on, where the files have too few), and the middle of each file long enough."""
-    blocks, free = [], []
+    """n prompts of each workload (module docstring): copy, edit (the first fitting function of each held-out file,
+    then its second, and so on, where the files have too few), free (the middle of each file long enough)."""
+    blocks, free, windows = [], [], []
     for source in held_out_sources():
         blocks.append([b for b in functions(source) if 120 <= len(tokenizer.encode(b)) <= 200])
-        if len(free) < n:
-            ids = tokenizer.encode(source)
-            if len(ids) >= 400:
-                free.append(ids[200:320])
-        if len(free) == n and sum(1 for b in blocks if b) >= n:
-            break
+        ids = tokenizer.encode(source)
+        if len(free) < n and len(ids) >= 400:
+            free.append(ids[200:320])
+        scored = [(lookup_tokens_per_step(ids[at - COPY_CONTEXT: at], ids[at: at + COPY_TOKENS]), at)
+                  for at in range(COPY_CONTEXT, len(ids) - COPY_TOKENS + 1, 32)]
+        if scored:
+            score, at = max(scored)
+            windows.append((-score, len(windows), ids[at - COPY_CONTEXT: at]))
     ordered = [b[i] for i in range(max(map(len, blocks), default=0)) for b in blocks if i < len(b)]
-    copy = [tokenizer.encode(b + "\n\n\n" + b.splitlines()[0] + "\n") for b in ordered[:n]]
-    return {"copy": copy, "free": free}
+    edit = [tokenizer.encode(b + "\n\n\n" + b.splitlines()[0] + "\n") for b in ordered[:n]]
+    copy = [prompt for *_, prompt in sorted(windows)[:n]]
+    return {"copy": copy, "edit": edit, "free": free}
 
 
-def cycle(engine: Engine, prompts: list[list[int]], gen_len: int) -> dict:
-    """One scheduler run of `prompts`: decode seconds and tokens after every prefill, the tokens, acceptance."""
-    sched = Scheduler(engine, prefill_token_budget=sum(map(len, prompts)))
-    sp = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
-    handles = [sched.submit(p, sp) for p in prompts]
-    while any(h.request.status is not RequestStatus.DECODING and not h.done() for h in handles):
-        sched.step()
-    before = sum(len(h.request.generated_tokens) for h in handles)
+def cycle(engine: Engine, prompts: list[list[int]], gen_len: int, concurrency: int) -> dict:
+    """Every prompt through a scheduler, `concurrency` at a time (the next group once the last one finished): decode
+    seconds and tokens after each group's prefill, the tokens, the steps, the verify steps, acceptance."""
     spec = engine.speculator
     accepted, proposed = (spec.total_accepted, spec.total_proposed) if spec else (0, 0)
     verifies = [0]
@@ -111,16 +135,24 @@ def cycle(engine: Engine, prompts: list[list[int]], gen_len: int) -> dict:
         return dispatch(*args, **kwargs)
 
     engine.verify_dispatch = counted  # (an instance attribute: the scheduler calls it, nothing else changes)
-    steps, start = 0, time.perf_counter()
+    sp = SamplingParams(max_tokens=gen_len, temperature=0.0, ignore_eos=True)
+    seconds, made, steps, tokens = 0.0, 0, 0, []
     try:
-        while sched.has_work():
-            sched.step()
-            steps += 1
+        for at in range(0, len(prompts), concurrency):
+            group = prompts[at: at + concurrency]
+            sched = Scheduler(engine, prefill_token_budget=sum(map(len, group)))
+            handles = [sched.submit(p, sp) for p in group]
+            while any(h.request.status is not RequestStatus.DECODING and not h.done() for h in handles):
+                sched.step()
+            before, start = sum(len(h.request.generated_tokens) for h in handles), time.perf_counter()
+            while sched.has_work():
+                sched.step()
+                steps += 1
+            seconds += time.perf_counter() - start
+            tokens += [h.result().token_ids for h in handles]
+            made += sum(len(t) for t in tokens[-len(group):]) - before
     finally:
         del engine.verify_dispatch
-    seconds = time.perf_counter() - start
-    tokens = [h.result().token_ids for h in handles]
-    made = sum(map(len, tokens)) - before
     out = dict(seconds=seconds, tokens=made, tok_s=made / seconds, steps=steps, verifies=verifies[0],
                token_ids=tokens)
     if spec:
@@ -128,20 +160,20 @@ def cycle(engine: Engine, prompts: list[list[int]], gen_len: int) -> dict:
     return out
 
 
-def compare(plain: Engine, spec: Engine, prompts: list[list[int]], gen_len: int, repeats: int
+def compare(plain: Engine, spec: Engine, prompts: list[list[int]], gen_len: int, concurrency: int, repeats: int
             ) -> tuple[dict, dict]:
     """The best timed cycle of each engine, their cycles interleaved (plain, speculative, plain, ...) so a change in
     the neighbours' load hits both; one untimed cycle each first compiles every shape it meets."""
     for engine in (plain, spec):
-        cycle(engine, prompts, gen_len)
-    runs = [[cycle(engine, prompts, gen_len) for engine in (plain, spec)] for _ in range(repeats)]
+        cycle(engine, prompts, gen_len, concurrency)
+    runs = [[cycle(engine, prompts, gen_len, concurrency) for engine in (plain, spec)] for _ in range(repeats)]
     return tuple(max((r[i] for r in runs), key=lambda r: r["tok_s"]) for i in (0, 1))
 
 
 def run_benchmark(models: list[str], concurrency: list[int], gen_len: int, repeats: int, k: int,
-                  cache_dir: str) -> dict:
+                  cache_dir: str, num_prompts: int | None = None) -> dict:
     tokenizer = Tokenizer.from_folder(DEFAULT_MODEL)
-    prompt_sets = workloads(tokenizer, max(concurrency))
+    prompt_sets = workloads(tokenizer, max(num_prompts or 0, *concurrency))
     machine = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), jax=jax.__version__,
                    device=str(jax.devices()[0]), loadavg_start=os.getloadavg())
     records = []
@@ -155,13 +187,14 @@ def run_benchmark(models: list[str], concurrency: list[int], gen_len: int, repea
         plain, spec = Engine(model, **sizes), Engine(model, **sizes, speculative=spec_config)
         for workload, prompts in prompt_sets.items():
             for c in concurrency:
-                base, fast = compare(plain, spec, prompts[:c], gen_len, repeats)
+                base, fast = compare(plain, spec, prompts, gen_len, c, repeats)
                 record = dict(model=name, workload=workload, concurrency=c, gen_len=gen_len,
                               plain_tok_s=round(base["tok_s"], 2), speculative_tok_s=round(fast["tok_s"], 2),
                               speedup=round(fast["tok_s"] / base["tok_s"], 3),
                               acceptance_rate=round(fast["accepted"] / fast["proposed"], 3) if fast["proposed"] else 0,
                               tokens_per_step=round(fast["tokens"] / fast["steps"] / c, 2),
                               plain_tokens_per_step=round(base["tokens"] / base["steps"] / c, 2),
+                              prompts=len(prompts),
                               steps=fast["steps"], verify_steps=fast["verifies"],
                               step_ms=round(1e3 * fast["seconds"] / fast["steps"], 2),
                               plain_step_ms=round(1e3 * base["seconds"] / base["steps"], 2),
@@ -170,7 +203,8 @@ def run_benchmark(models: list[str], concurrency: list[int], gen_len: int, repea
                 print(json.dumps(record), flush=True)
     machine["loadavg_end"] = os.getloadavg()
     return dict(machine=machine, settings=dict(models=models, concurrency=concurrency, gen_len=gen_len,
-                                               repeats=repeats, speculative=spec_config), records=records)
+                                               repeats=repeats, prompts=len(prompt_sets["free"]),
+                                               speculative=spec_config), records=records)
 
 
 def median_ms(fn, iters: int) -> float:
@@ -313,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-len", type=int, default=96)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default: the largest concurrency)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where presets are built")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true", help="time each part of a verify step against a plain one")
@@ -327,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         print(profile_table(result))
         return 0
     result = run_benchmark(args.models.split(","), [int(c) for c in args.concurrency.split(",")], args.gen_len,
-                           args.repeats, args.k, args.cache_dir)
+                           args.repeats, args.k, args.cache_dir, args.prompts)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))

@@ -407,3 +407,31 @@ def test_warmup_covers_the_verify_shapes(engines, model):
                      SamplingParams(max_tokens=20, temperature=0.8, ignore_eos=True)], True)
     assert accepted(engine)[1] > before[1]  # verify steps ran
     assert engine.compiled_count() == compiled
+
+
+def test_scheduler_times_each_step_as_the_device_ran_it(model, monkeypatch):
+    """The StepClock gets a pipelined plain step's time from its call to the next, and a verify's from when the
+    device went idle for it to when its tokens were read. Here reading a step is where the host waits for the device
+    (a fake clock: 1 s per plain step, 5 s per verify): charging each call's interval to the step it queued, as the
+    clock once did, reads a verify's 5 s into the call after it, and the ratio the cost rule uses comes out wrong."""
+    from pocketjax.serve import scheduler as scheduler_module
+
+    fake = argparse.Namespace(now=0.0)
+    monkeypatch.setattr(scheduler_module, "time", argparse.Namespace(perf_counter=lambda: fake.now))
+    engine = Engine(model, **SIZES, speculative=SPEC)
+    engine.speculator.pays = lambda *_: True  # verify whenever a draft exists
+    for name, cost in (("decode_collect", 1.0), ("verify_collect", 5.0)):
+        def collect(step, _read=getattr(engine, name), _cost=cost):
+            fake.now += 0.0 if step.collected else _cost
+            return _read(step)
+        setattr(engine, name, collect)
+    sched = scheduler_module.Scheduler(engine)
+    repeat = [5, 6, 7, 8] * 6  # a loop the drafter predicts, then free tokens
+    handles = [sched.submit(repeat + p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+               for p in prompts(11, (4, 9), model.config.vocab_size)]
+    while sched.has_work():
+        sched.step()
+    assert all(h.result().finish_reason == "length" for h in handles)
+    timed = {kind: {t for (k, _), times in engine.speculator.clock.times.items() if k == kind for t in times}
+             for kind in ("plain", "verify", "fed")}
+    assert timed == {"plain": {1.0}, "verify": {5.0}, "fed": {1.0}}  # every kind ran and was timed

@@ -107,30 +107,38 @@ class DraftState:
 
 @dataclass
 class StepClock:
-    """Seconds per decode step as served (the median of the last WINDOW per row bucket), plain and verify: what a
-    verify costs on this machine and model relative to a plain step. On a GPU at a few rows both read the weights
-    once and cost about the same; on a CPU with a small model a step is compute-bound and k + 1 positions cost
-    several steps. Medians, so a step that compiled (a new attention length) or a busy neighbour does not count."""
+    """Seconds per decode step as served (the median of the last WINDOW per row bucket and kind): what a verify costs
+    on this machine and model relative to a plain step. On a GPU at a few rows both read the weights once and cost
+    about the same; on a CPU with a small model a step is compute-bound and k + 1 positions cost several steps.
+    Medians, so a busy neighbour does not count (the Scheduler drops steps that compiled).
 
-    plain: dict[int, deque] = field(default_factory=dict)
-    verify: dict[int, deque] = field(default_factory=dict)
+    Kinds: "plain", a pipelined decode step (the next one queued before its tokens are read); "verify", from the
+    moment the device went idle for it to its tokens read (drafting, dispatch, device); "fed", a plain step queued
+    from the host after a verify, timed the same way: leaving speculation costs fed - plain more than staying plain.
+    """
+
+    times: dict[tuple[str, int], deque] = field(default_factory=dict)
 
     def observe(self, kind: str, rows: int, seconds: float) -> None:
-        """One step of `kind` ("plain" or "verify") over `rows` rows took `seconds`."""
-        (self.verify if kind == "verify" else self.plain).setdefault(rows, deque(maxlen=WINDOW)).append(seconds)
+        """One step of `kind` ("plain", "verify" or "fed") over `rows` rows took `seconds`."""
+        self.times.setdefault((kind, rows), deque(maxlen=WINDOW)).append(seconds)
 
     def seconds(self, kind: str, rows: int) -> float | None:
         """The median step time, once MIN_TIMED steps of `kind` at `rows` were timed."""
-        times = (self.verify if kind == "verify" else self.plain).get(rows, ())
+        times = self.times.get((kind, rows), ())
         return statistics.median(times) if len(times) >= MIN_TIMED else None
 
     def ratio(self, rows: int) -> float | None:
-        """verify / plain seconds at `rows`; 1 while too few verifies were timed (try them); None while verifies
-        were timed but too few plain steps were (time those)."""
+        """What a verify costs in plain steps at `rows`: its own time plus the extra time of the host-fed step that
+        follows it when speculation stops (0 until such steps were timed), over a plain step's. 1 while too few
+        verifies were timed (try them); None while verifies were timed but too few plain steps were (time those)."""
         verify, plain = self.seconds("verify", rows), self.seconds("plain", rows)
         if verify is None:
             return 1.0
-        return None if plain is None else verify / plain
+        if plain is None:
+            return None
+        fed = self.seconds("fed", rows)
+        return (verify + max(0.0, (fed or plain) - plain)) / plain
 
 
 def drafts_nothing(req: BatchedRequest) -> bool:
@@ -188,14 +196,19 @@ class Speculator:
         state.accepted += accepted
         self.total_proposed += proposed
         self.total_accepted += accepted
+        prior = self.expected(req)
         self.histogram[accepted] += 1
         state.backoff.record(accepted)
-        state.expected = (1 - EMA) * self.expected(req) + EMA * accepted  # from the prior k / 2: one miss is no verdict
+        state.expected = (1 - EMA) * prior + EMA * accepted  # from the prior: one miss is no verdict
 
     def expected(self, req: BatchedRequest) -> float:
-        """Drafts req is expected to have accepted per verify: its running mean, k / 2 before its first."""
+        """Drafts req is expected to have accepted per verify: its running mean; before its first verify, the mean
+        over every verified row so far (what this engine's traffic accepts), or k / 2 before any."""
         mean = self.state(req).expected
-        return self.k / 2 if mean is None else mean
+        if mean is not None:
+            return mean
+        rows = sum(self.histogram.values())
+        return sum(a * n for a, n in self.histogram.items()) / rows if rows else self.k / 2
 
     def pays(self, rows: int, running: int, gains: Sequence[float]) -> bool:
         """Whether a verify over `running` requests in `rows` rows, whose drafts are expected to gain `gains` tokens,

@@ -59,7 +59,8 @@ class Scheduler:
         engine.use_tokenizer(tokenizer)  # structured outputs compile against it (where the engine has none)
         self.pipeline = pipeline  # overlap each step's host work with the next decode step on device
         self._pending: PendingDecode | PendingVerify | None = None  # the decode step in flight: read next step
-        self._last_decode: tuple[str, int, float] | None = None  # speculative: (kind, rows, start) of the last step
+        self._last_decode: tuple[str, int, float, int] | None = None  # speculative: (kind, rows, start,
+        # compiled_count then) of the step to time next
         self.waiting: deque[RequestHandle] = deque()
         self.running: list[RequestHandle] = []  # admitted: holding a slot, prefilling or decoding
         self._live: dict[Any, RequestHandle] = {}  # request_id -> handle, waiting or running
@@ -317,7 +318,13 @@ class Scheduler:
         hands out the tokens read while the device runs it. It verifies only when the drafts are expected to pay for
         the verify by this machine's measured step times (`Speculator.pays`); otherwise, and whenever no request is
         due to draft (all backing off, `speculative.Backoff`), the step is the plain pipelined decode. `timed`: no
-        prefill ran in this step, so the time since the last one measures the decode step before it."""
+        prefill ran in this step, so the time since the last one measures the decode step before it.
+
+        What the clock is fed (`speculative.StepClock`): a pipelined plain step costs the time from its call to the
+        next (the device always has a step queued then); a verify, and a plain step queued from the host after one
+        ("fed"), cost the time from the moment the device went idle for them (everything before collected) to the
+        moment their tokens were read. Timing each call's interval as its own kind would charge a verify's device
+        time to the call after it. Steps that compiled are not timed."""
         spec = self.engine.speculator
         # In a multi-process job every process must take the same decision: by tokens only, never by its own clock.
         pays = spec.pays if self.group is None else (lambda *_: True)
@@ -325,28 +332,38 @@ class Scheduler:
         running = [r for r in requests if not r.finished]
         rows, now = self.engine.rules.rows(max(len(running), 1)), time.perf_counter()
         last, self._last_decode = self._last_decode, None
-        if last is not None and timed and last[1] == rows:
-            spec.clock.observe(last[0], rows, now - last[2])
+        timed = timed and last is not None and last[3] == self.engine.compiled_count()  # a compile is no step time
+        if timed and last[0] == "plain" and last[1] == rows:
+            spec.clock.observe("plain", rows, now - last[2])
+        fed = last if timed and last[0] == "fed" and last[1] == rows else None
         due = spec.due(requests)
         pending = self._pending
         optimistic = [spec.expected(r) for r, on in zip(requests, due) if on]
         if not isinstance(pending, PendingVerify) and not (optimistic and pays(rows, len(running), optimistic)):
             if self.pipeline:
+                compiled = self.engine.compiled_count()
                 self._decode_pipelined(handles)
+                if fed is not None and fed[3] == self.engine.compiled_count():  # the host-fed step just read
+                    spec.clock.observe("fed", rows, time.perf_counter() - fed[2])
+                self._last_decode = ("plain", rows, now, compiled) if running else None
             else:
                 self._run(handles, self.engine.batch_decode_step, requests, alone=self._decode_alone)
-            self._last_decode = ("plain", rows, now) if running else None
             return
         self._pending = None
         if pending is not None:
             collect = self.engine.verify_collect if isinstance(pending, PendingVerify) else self.engine.decode_collect
             self._run(handles, collect, pending)
+            if timed and last[0] in ("verify", "fed"):
+                spec.clock.observe(last[0], last[1], time.perf_counter() - last[2])
         if all(r.finished for r in requests):
             return
+        idle = time.perf_counter()  # nothing in flight: the device waits from here until the next step is queued
+        compiled = self.engine.compiled_count()
         drafts = self.engine.draft(requests, due)
         gains = [spec.expected(r) for r, d in zip(requests, drafts) if d]
         running = [r for r in requests if not r.finished]
-        if gains and pays(self.engine.rules.rows(len(running)), len(running), gains):
+        verify_rows = self.engine.rules.rows(len(running))
+        if gains and pays(verify_rows, len(running), gains):
             step = self._run(handles, self.engine.verify_dispatch, requests, drafts, alone=self._speculate_alone)
             kind = "verify"
         else:
@@ -355,10 +372,14 @@ class Scheduler:
         if not self.pipeline and step is not None:
             collect = self.engine.verify_collect if isinstance(step, PendingVerify) else self.engine.decode_collect
             self._run(handles, collect, step)
+            if kind == "verify" and compiled == self.engine.compiled_count():
+                spec.clock.observe("verify", verify_rows, time.perf_counter() - idle)
             return
         self._hand_out(handles)  # what the collected step brought, while the device runs the new one
         self._pending = step
-        self._last_decode = (kind, self.engine.rules.rows(len(running)), now) if step is not None else None
+        if kind == "plain":  # queued from the host: after a verify it is what leaving speculation costs
+            kind = "fed" if isinstance(pending, PendingVerify) else "untimed"
+        self._last_decode = (kind, verify_rows, idle, compiled) if step is not None else None
 
     def _speculate_alone(self, handle: RequestHandle) -> None:
         self.engine.batch_speculative_step([handle.request])
