@@ -152,6 +152,20 @@ def test_step_clock_verifies_only_where_drafts_pay_for_the_verify():
     assert speculator.pays(4, 4, [3.0, 3.0, 2.5])
     assert [speculator.pays(4, 4, [3.0, 3.0, 1.5]) for _ in range(EXPLORE)] == [False] * (EXPLORE - 2) + [True, False]
     assert speculator.pays(8, 8, [0.5])  # another row bucket is timed on its own
+    for seconds in (0.3, 0.3, 0.2):
+        clock.observe("fed", 4, seconds)  # the host-fed step after a verify: 0.2 s more than a pipelined one
+    assert clock.ratio(4) == pytest.approx(5.0) and not speculator.pays(4, 4, [3.0, 3.0, 2.5])
+    assert speculator.pays(4, 4, [6.0, 6.0, 4.5])
+
+
+def test_a_new_request_expects_what_the_engine_accepted_so_far():
+    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4))
+    old, new = (BatchedRequest(i, [1, 2, 3], GREEDY) for i in ("old", "new"))
+    assert speculator.expected(new) == 2.0  # nothing verified yet: k / 2
+    for accepted in (0, 0, 1):
+        speculator.record(old, 4, accepted)
+    assert speculator.expected(new) == pytest.approx(1 / 3)  # the mean over every verified row
+    assert speculator.expected(old) == pytest.approx(0.75 * (0.75 * 2.0 * 0.75) + 0.25)  # its own running mean
 
 
 # ---- exactness ---------------------------------------------------------------------------------------------------
