@@ -449,3 +449,83 @@ def test_scheduler_times_each_step_as_the_device_ran_it(model, monkeypatch):
     timed = {kind: {t for (k, _), times in engine.speculator.clock.times.items() if k == kind for t in times}
              for kind in ("plain", "verify", "fed")}
     assert timed == {"plain": {1.0}, "verify": {5.0}, "fed": {1.0}}  # every kind ran and was timed
+
+
+def run_verify_then_decode(engine: Engine, prompt_list, params, truth, seed: int) -> list[BatchedRequest]:
+    """Each round: a verify step with drafts of the true continuation (cut and corrupted at random, as
+    `run_with_drafts`), then a decode step queued on device after it, before either is read: its token and position
+    come from the verify's accepted counts."""
+    rng = np.random.default_rng(seed)
+    k = engine.speculator.k
+    reqs = [BatchedRequest(i, list(p), s) for i, (p, s) in enumerate(zip(prompt_list, params))]
+    for r in reqs:
+        engine.allocate_slot(r)
+    engine.batch_prefill(reqs)
+    while not all(r.finished for r in reqs):
+        drafts = []
+        for r, want in zip(reqs, truth):
+            g = len(r.generated_tokens)
+            d = list(want[g: g + int(rng.integers(0, k + 1))])
+            if d and rng.random() < 1 / 3:
+                d[int(rng.integers(len(d)))] = int(rng.integers(model_vocab(engine)))
+            drafts.append(d)
+        verify = engine.verify_dispatch(reqs, drafts)
+        following = engine.decode_dispatch(reqs, after=verify)
+        engine.collect(verify)
+        engine.collect(following)
+    for r in reqs:
+        engine.free_slot(r.request_id)
+    return reqs
+
+
+def test_a_decode_step_queued_on_device_after_a_verify_is_exact(engines, model):
+    """The decode step after a verify reads the verify's drawn token and accepted count on device: tokens,
+    logprobs, penalty counts and the random stream as plain decoding's, for every accepted count, with a stop token
+    and max_tokens falling inside accepted runs (the following row is then discarded)."""
+    plain, spec = engines
+    ps = prompts(21, (6, 17), model.config.vocab_size)
+    free = run(plain, ps, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), False)
+    stop = free[1].generated_tokens[13]  # a token the second request meets mid-way
+    sp = [SamplingParams(max_tokens=29, temperature=0.0, ignore_eos=True, logprobs=2, frequency_penalty=0.3),
+          SamplingParams(max_tokens=30, temperature=0.9, seed=7, ignore_eos=True, repetition_penalty=1.1,
+                         stop_token_ids=[stop])]
+    want = run(plain, ps, sp, False)
+    before = dict(spec.speculator.histogram)
+    got = run_verify_then_decode(spec, ps, sp, [r.generated_tokens for r in want], seed=3)
+    assert_same(want, got)
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+    new = {n for n, c in spec.speculator.histogram.items() if c > before.get(n, 0)}
+    assert new >= {0, 1, 2, 3}
+    assert spec.num_free_slots == spec.num_slots
+
+
+def test_scheduler_leaves_speculation_on_device_and_stays_exact(engines, model):
+    """Through the Scheduler with a cost rule that verifies on some steps and not others: a step after a verify
+    is queued on device (no host round trip) and the output is what plain decoding gives."""
+    from itertools import cycle
+
+    from pocketjax.serve.scheduler import Scheduler
+
+    plain, _ = engines
+    spec = Engine(model, **SIZES, speculative=SPEC)
+    verdicts = cycle([True, True, False, True, False, False, False])
+    spec.speculator.pays = lambda *_: next(verdicts)
+    followed = []
+    dispatch = spec.decode_dispatch
+
+    def counted(requests, after=None):
+        followed.append(type(after).__name__)
+        return dispatch(requests, after=after)
+
+    spec.decode_dispatch = counted
+    repeat = [5, 6, 7, 8] * 4
+    ps = [repeat + p for p in prompts(12, (3, 8), model.config.vocab_size)]
+    sp = [SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True, logprobs=1),
+          SamplingParams(max_tokens=33, temperature=0.7, seed=9, ignore_eos=True, presence_penalty=0.2)]
+    want = run(plain, ps, sp, False)
+    sched = Scheduler(spec)
+    handles = [sched.submit(p, s) for p, s in zip(ps, sp)]
+    while sched.has_work():
+        sched.step()
+    assert [h.result().token_ids for h in handles] == [r.generated_tokens for r in want]
+    assert "PendingVerify" in followed and spec.speculator.total_accepted > 0

@@ -25,7 +25,8 @@ from ..model.memory import check_fits, plan_memory
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
 from .plan import (SAMPLERS, DecodePlan, SamplePlan, Signature, StepRules, VerifyPlan, VerifySamplePlan,
-                   decode_after, decode_from_host, empty_plan, prefill_plans, scored_positions, verify_plans)
+                   decode_after, decode_after_verify, decode_from_host, empty_plan, prefill_plans, scored_positions,
+                   verify_plans)
 from .request import BatchedRequest, RequestStatus
 from .sampling import SampleOutput, SamplingParams
 from .slots import SlotTable
@@ -48,7 +49,8 @@ class PendingDecode:
     plan: DecodePlan  # the forward step's inputs
     sample: SamplePlan  # the sampler's
     out: SampleOutput | None = None  # None when no row was active (nothing was dispatched) or once collected
-    previous: PendingDecode | None = None  # the step whose tokens fed this one, until this one is collected
+    previous: PendingDecode | PendingVerify | None = None  # the step whose tokens fed this one, until this one
+    # is collected
     results: list[int | None] | None = None  # set by decode_collect
     # Structured outputs: a step fed on device whose rows include constrained ones queues its forward pass only;
     # its logits wait here for the masks, which need the previous step's tokens, and `decode_collect` of that step
@@ -85,6 +87,10 @@ class PendingVerify:
     @property
     def collected(self) -> bool:
         return self.results is not None
+
+    def continues(self, requests: Sequence[BatchedRequest]) -> bool:
+        """True when every unfinished request has a row here, so a decode step can follow it on device."""
+        return PendingDecode.continues(self, requests)
 
 
 def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
@@ -381,14 +387,16 @@ class Engine:
         """One device call that generates the next token of every unfinished request; None for the others."""
         return self.decode_collect(self.decode_dispatch(requests))
 
-    def decode_dispatch(self, requests: Sequence[BatchedRequest], after: PendingDecode | None = None
+    def decode_dispatch(self, requests: Sequence[BatchedRequest], after: PendingDecode | PendingVerify | None = None
                         ) -> PendingDecode:
         """Queue one decode step for every unfinished request and return without waiting for its tokens.
 
         Without `after`, input tokens come from the host: every request's earlier steps must be collected. With
         `after`, an uncollected step holding a row for every unfinished request, they come from its output on
         device, so this step is queued before they reach the host; a request that `after`'s token ends by length is
-        left out, one it ends otherwise (a stop token) costs one row whose token `decode_collect` discards.
+        left out, one it ends otherwise (a stop token) costs one row whose token `decode_collect` discards. `after`
+        may be a verify step: each row then continues after the drafts it accepted (positions and tokens computed
+        on device from the accepted counts), so leaving speculation costs no host round trip.
         """
         running = [r for r in batch(requests) if not r.finished]
         for req in running:
@@ -402,7 +410,13 @@ class Engine:
             return self._dispatch(self._fed_from_host(requests, running))
         if after.collected or not after.continues(running):
             raise RequestError("after= must be an uncollected step with a row for every unfinished request")
+        if isinstance(after, PendingVerify):
+            return self._dispatch(self._fed_after_verify(after, requests, running))
         return self._dispatch(self._fed_on_device(after, requests, running))
+
+    def collect(self, step: PendingDecode | PendingVerify) -> list:
+        """Read a dispatched decode or verify step (`decode_collect` / `verify_collect`)."""
+        return self.verify_collect(step) if isinstance(step, PendingVerify) else self.decode_collect(step)
 
     def decode_collect(self, step: PendingDecode) -> list[int | None]:
         """Read a dispatched step's tokens (the one host sync) into its requests; returns each request's new token,
@@ -453,6 +467,17 @@ class Engine:
             after.following = step  # its sampler is queued when `after` is collected (`_dispatch` defers it)
         return step
 
+    def _fed_after_verify(self, after: PendingVerify, requests: Sequence[BatchedRequest],
+                          running: list[BatchedRequest]) -> PendingDecode:
+        """`after`'s rows, each after the drafts it accepts, minus requests its first token already ends by length
+        (one that an accepted run ends has its row discarded at collect)."""
+        keep = [r for r in running if not self._reaches_length(r, len(r.generated_tokens) + 1)]
+        if after.out is None:  # nothing was dispatched (every row finished)
+            return PendingDecode(list(requests), [None] * len(after.rows), None, None, previous=after)
+        rows, plan, sample = decode_after_verify(self.rules, after.rows, after.plan, after.sample, keep,
+                                                 after.out.tokens, after.accepted)
+        return PendingDecode(list(requests), rows, plan, sample, previous=after)
+
     def _dispatch(self, step: PendingDecode) -> PendingDecode:
         """Queue the forward pass and the sampler over `step`'s rows (nothing when no row is active)."""
         present = [r for r in step.rows if r is not None]
@@ -460,7 +485,7 @@ class Engine:
             return step
         self.cache, logits = decode_step(self.model.params, self.cache, step.plan, config=self.model.config,
                                          impl=self.impl)
-        if step.previous is not None and step.previous.following is step:
+        if step.previous is not None and getattr(step.previous, "following", None) is step:
             step.logits = logits  # constrained rows: the sampler waits for the previous step's tokens
         else:
             self.penalties, step.out = sample_step(self.penalties, logits, step.sample)

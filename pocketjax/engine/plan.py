@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from .request import BatchedRequest
@@ -254,18 +255,19 @@ def decode_rows(rules: StepRules, running: Sequence[BatchedRequest]) -> tuple[li
     return list(running) + [None] * (rows - len(running)), False
 
 
-def decode_plans(rules: StepRules, rows: Rows, dense: bool, tokens: Any, positions: np.ndarray, steps: np.ndarray
-                 ) -> tuple[DecodePlan, SamplePlan]:
+def decode_plans(rules: StepRules, rows: Rows, dense: bool, tokens: Any, positions: Any, steps: Any,
+                 last: int | None = None) -> tuple[DecodePlan, SamplePlan]:
     """The decode step over `rows` (None: inactive) fed `tokens` at `positions`, and its sampler (`steps`: the
-    index of each row's token)."""
+    index of each row's token). `last`: the highest position, where `positions` is on device (else its max)."""
     active = np.array([r is not None for r in rows])
     slots = np.arange(len(rows), dtype=np.int32) if dense else np.zeros(len(rows), np.int32)
     for i, r in enumerate(rows):
         if r is not None:
             slots[i] = r.slot_id
     selector, hooks = row_selector(rows)
-    plan = DecodePlan(tokens, slots, positions, active, selector, kv_len=rules.kv_len(int(positions.max()) + 1),
-                      dense=dense, hooks=hooks)
+    last = int(positions.max()) if last is None else last
+    plan = DecodePlan(tokens, slots, positions, active, selector, kv_len=rules.kv_len(last + 1), dense=dense,
+                      hooks=hooks)
     sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in rows],
                              [r.seed if r else 0 for r in rows])
     return plan, SamplePlan(slots, active, steps, sampling, num_top=top_count(rows))
@@ -329,6 +331,22 @@ def decode_after(rules: StepRules, rows: Rows, plan: DecodePlan, sample: SampleP
     active = np.array([r is not None for r in rows])
     return (rows, *decode_plans(rules, rows, plan.dense, tokens, np.where(active, plan.positions + 1, 0),
                                 np.where(active, sample.steps + 1, 0)))
+
+
+def decode_after_verify(rules: StepRules, rows: Rows, plan: VerifyPlan, sample: VerifySamplePlan, keep: Rows,
+                        tokens: Any, accepted: Any) -> tuple[list[BatchedRequest | None], DecodePlan, SamplePlan]:
+    """The decode step after a verify step (`plan`, `sample`) over its rows, minus those not in `keep`: each row fed
+    the token the verify drew after its accepted drafts, at the position after them, as that many steps further;
+    `tokens` [rows, width] and `accepted` [rows] are the verify's outputs, on device, so nothing waits for the host.
+    The kv length covers the longest run a row could have accepted."""
+    going = {id(r) for r in keep}
+    rows = [r if r is not None and id(r) in going else None for r in rows]
+    active = np.array([r is not None for r in rows])
+    fed = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+    positions = jnp.where(active, plan.starts + accepted + 1, 0).astype(jnp.int32)
+    steps = jnp.where(active, sample.steps + accepted + 1, 0).astype(jnp.int32)
+    last = int(np.max(np.where(active, np.asarray(plan.starts) + np.asarray(plan.lengths), 0)))
+    return (rows, *decode_plans(rules, rows, False, fed, positions, steps, last=last))
 
 
 SAMPLERS = ("sample_first", "sample_next", "sample_first_masked", "sample_next_masked")

@@ -299,7 +299,7 @@ class Scheduler:
         requests = [h.request for h in handles]
         joined = pending is not None and not pending.continues(requests)
         if joined:
-            self._run(handles, self.engine.decode_collect, pending)
+            self._run(handles, self.engine.collect, pending)
             pending = None
         if all(r.finished for r in requests):
             return
@@ -309,7 +309,7 @@ class Scheduler:
                      if pending is not None else None)
         if joined:
             self._hand_out(handles)
-        if following is not None and self._run(handles, self.engine.decode_collect, pending) is not None:
+        if following is not None and self._run(handles, self.engine.collect, pending) is not None:
             self._pending = following
 
     def _decode_speculative(self, handles: list[RequestHandle], timed: bool = True) -> None:
@@ -339,20 +339,23 @@ class Scheduler:
         due = spec.due(requests)
         pending = self._pending
         optimistic = [spec.expected(r) for r, on in zip(requests, due) if on]
-        if not isinstance(pending, PendingVerify) and not (optimistic and pays(rows, len(running), optimistic)):
-            if self.pipeline:
+        if not (optimistic and pays(rows, len(running), optimistic)):
+            if self.pipeline:  # (after a verify: the next step follows it on device, its accepted counts unread)
                 compiled = self.engine.compiled_count()
                 self._decode_pipelined(handles)
                 if fed is not None and fed[3] == self.engine.compiled_count():  # the host-fed step just read
                     spec.clock.observe("fed", rows, time.perf_counter() - fed[2])
-                self._last_decode = ("plain", rows, now, compiled) if running else None
-            else:
+                if timed and last[0] == "verify" and isinstance(pending, PendingVerify):  # it was read just now
+                    spec.clock.observe("verify", last[1], time.perf_counter() - last[2])
+                # the call that read a verify waited for it: its interval is no plain step's time
+                self._last_decode = (("untimed" if isinstance(pending, PendingVerify) else "plain"), rows, now,
+                                     compiled) if running else None
+            else:  # (nothing is ever left in flight here)
                 self._run(handles, self.engine.batch_decode_step, requests, alone=self._decode_alone)
             return
         self._pending = None
         if pending is not None:
-            collect = self.engine.verify_collect if isinstance(pending, PendingVerify) else self.engine.decode_collect
-            self._run(handles, collect, pending)
+            self._run(handles, self.engine.collect, pending)
             if timed and last[0] in ("verify", "fed"):
                 spec.clock.observe(last[0], last[1], time.perf_counter() - last[2])
         if all(r.finished for r in requests):
@@ -370,8 +373,7 @@ class Scheduler:
             step = self._run(handles, self.engine.decode_dispatch, requests, alone=self._decode_alone)
             kind = "plain"
         if not self.pipeline and step is not None:
-            collect = self.engine.verify_collect if isinstance(step, PendingVerify) else self.engine.decode_collect
-            self._run(handles, collect, step)
+            self._run(handles, self.engine.collect, step)
             if kind == "verify" and compiled == self.engine.compiled_count():
                 spec.clock.observe("verify", verify_rows, time.perf_counter() - idle)
             return
