@@ -454,11 +454,11 @@ def test_scheduler_times_each_step_as_the_device_ran_it(model, monkeypatch):
 def run_verify_then_decode(engine: Engine, prompt_list, params, truth, seed: int) -> list[BatchedRequest]:
     """Each round: a verify step with drafts of the true continuation (cut and corrupted at random, as
     `run_with_drafts`), then a decode step queued on device after it, before either is read: its token and position
-    come from the verify's accepted counts."""
+    come from the verify's accepted counts. Slots are taken in reverse, so a dense step reorders the verify's rows."""
     rng = np.random.default_rng(seed)
     k = engine.speculator.k
     reqs = [BatchedRequest(i, list(p), s) for i, (p, s) in enumerate(zip(prompt_list, params))]
-    for r in reqs:
+    for r in reversed(reqs):
         engine.allocate_slot(r)
     engine.batch_prefill(reqs)
     while not all(r.finished for r in reqs):
@@ -523,9 +523,12 @@ def test_scheduler_leaves_speculation_on_device_and_stays_exact(engines, model):
     sp = [SamplingParams(max_tokens=36, temperature=0.0, ignore_eos=True, logprobs=1),
           SamplingParams(max_tokens=33, temperature=0.7, seed=9, ignore_eos=True, presence_penalty=0.2)]
     want = run(plain, ps, sp, False)
+    spec.warmup(progress=False)
+    compiled = spec.compiled_count()
     sched = Scheduler(spec)
     handles = [sched.submit(p, s) for p, s in zip(ps, sp)]
     while sched.has_work():
         sched.step()
     assert [h.result().token_ids for h in handles] == [r.generated_tokens for r in want]
     assert "PendingVerify" in followed and spec.speculator.total_accepted > 0
+    assert spec.compiled_count() == compiled  # the step after a verify is one of the plain decode's programs

@@ -645,13 +645,16 @@ class Engine:
     def lower(self, signature: Signature) -> jax.stages.Lowered:
         """This engine's own program for `signature` (a `plan.Signature`), lowered on its params, cache and penalty
         state: what HLO checks and benchmarks inspect (`.compile().as_text()`), by construction the program a call
-        of that shape runs. A "decode_fed" signature is lowered host-fed (the same executable, `compiled_count`)."""
+        of that shape runs. "decode_fed", "decode_verified" and "sample_verified" signatures are lowered host-fed
+        (the same executables, `compiled_count`)."""
         step = dict(config=self.model.config, impl=self.impl)
         if signature.step in ("prefill", "prefill_scored"):
             return prefill_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
-        if signature.step in ("decode", "decode_fed"):
-            return decode_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
-        if signature.step in SAMPLERS:
+        if signature.step in ("decode", "decode_fed", "decode_verified"):
+            host_fed = signature._replace(step="decode")
+            return decode_step.lower(self.model.params, self.cache, empty_plan(self.rules, host_fed), **step)
+        if signature.step in SAMPLERS or signature.step == "sample_verified":
+            signature = signature._replace(step="sample_next") if signature.step == "sample_verified" else signature
             logits = jax.ShapeDtypeStruct((signature.rows, self.model.config.vocab_size), self.model.dtype)
             return sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
         if signature.step == "copy_prefix":
@@ -663,7 +666,8 @@ class Engine:
             logits = jax.ShapeDtypeStruct((signature.rows, signature.width, c.vocab_size), jnp.float32)
             return verify_sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
         raise RequestError(f"no step {signature.step!r} (a plan.Signature names prefill, prefill_scored, decode, "
-                           f"decode_fed, {', '.join(SAMPLERS)}, copy_prefix, verify or sample_verify)")
+                           f"decode_fed, {', '.join(SAMPLERS)}, copy_prefix, verify, sample_verify, "
+                           f"decode_verified or sample_verified)")
 
     def compiled_count(self) -> int:
         """How many call signatures the step functions hold so far (a steady workload must not add any).

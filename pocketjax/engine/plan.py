@@ -15,7 +15,7 @@ the very programs the engine runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 import jax
@@ -338,15 +338,24 @@ def decode_after_verify(rules: StepRules, rows: Rows, plan: VerifyPlan, sample: 
     """The decode step after a verify step (`plan`, `sample`) over its rows, minus those not in `keep`: each row fed
     the token the verify drew after its accepted drafts, at the position after them, as that many steps further;
     `tokens` [rows, width] and `accepted` [rows] are the verify's outputs, on device, so nothing waits for the host.
-    The kv length covers the longest run a row could have accepted."""
+    The kv length covers the longest run a row could have accepted. Where a plain decode over as many rows is
+    dense (`StepRules.dense`), the rows are put in slot order, so the step is one of the plain decode's programs."""
     going = {id(r) for r in keep}
     rows = [r if r is not None and id(r) in going else None for r in rows]
-    active = np.array([r is not None for r in rows])
     fed = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
-    positions = jnp.where(active, plan.starts + accepted + 1, 0).astype(jnp.int32)
-    steps = jnp.where(active, sample.steps + accepted + 1, 0).astype(jnp.int32)
-    last = int(np.max(np.where(active, np.asarray(plan.starts) + np.asarray(plan.lengths), 0)))
-    return (rows, *decode_plans(rules, rows, False, fed, positions, steps, last=last))
+    at, step = plan.starts + accepted + 1, sample.steps + accepted + 1
+    reach = np.asarray(plan.starts) + np.asarray(plan.lengths)  # the furthest each row's next position can be
+    dense = rules.dense(len(rows))
+    if dense:  # row i <- the verify row of slot i's request
+        by_slot = {r.slot_id: i for i, r in enumerate(rows) if r is not None}
+        order = np.array([by_slot.get(s, 0) for s in range(len(rows))], np.int32)
+        rows = [rows[by_slot[s]] if s in by_slot else None for s in range(len(rows))]
+        fed, at, step, reach = fed[order], at[order], step[order], reach[order]
+    active = np.array([r is not None for r in rows])
+    positions = jnp.where(active, at, 0).astype(jnp.int32)
+    steps = jnp.where(active, step, 0).astype(jnp.int32)
+    last = int(np.max(np.where(active, reach, 0)))
+    return (rows, *decode_plans(rules, rows, dense, fed, positions, steps, last=last))
 
 
 SAMPLERS = ("sample_first", "sample_next", "sample_first_masked", "sample_next_masked")
@@ -359,7 +368,8 @@ class Signature(NamedTuple):
 
     step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode, decode_fed (input tokens on device),
     # sample_next, copy_prefix; sample_first_masked / sample_next_masked: the samplers with `allowed` masks;
-    # verify (speculative: every position's logits), sample_verify
+    # verify (speculative: every position's logits), sample_verify; decode_verified / sample_verified: the decode
+    # step queued after a verify, its tokens and positions (and its sampler's steps) on device
     rows: int = 0
     width: int = 0  # prefill chunk bucket (verify: its width, k + 1)
     kv_len: int = 0  # attention length bucket
@@ -393,6 +403,8 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
             w = rules.verify_width
             calls += [Signature("verify", r, w, k) for k in kv_lens]
             calls += [Signature("sample_verify", r, w, num_top=t) for t in tops]
+            calls += [Signature("decode_verified", r, kv_len=k) for k in kv_lens]
+            calls += [Signature("sample_verified", r, num_top=t) for t in tops]
     if rules.num_slots > 1:  # a prefix is copied from another slot only
         calls.append(Signature("copy_prefix"))
     return calls
@@ -401,9 +413,15 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
 def empty_plan(rules: StepRules, call: Signature, tokens: Any = None
                ) -> PrefillPlan | DecodePlan | SamplePlan | VerifyPlan | VerifySamplePlan:
     """A plan of `call`'s shape that writes nothing: zero-length chunks, inactive rows, rows that end no prompt
-    (slot state untouched); "decode_fed" takes its input `tokens` (a sampler's, on device) as the engine does."""
+    (slot state untouched); "decode_fed" takes its input `tokens` (a sampler's, on device) as the engine does;
+    "decode_verified" and "sample_verified" take their positions and steps on device too (`decode_after_verify`)."""
     r = call.rows
     zeros = np.zeros(r, np.int32)
+    if call.step in ("decode_verified", "sample_verified"):
+        plan = empty_plan(rules, call._replace(step="decode_fed" if call.step == "decode_verified" else "sample_next"),
+                          tokens)
+        on_device = jnp.zeros(r, jnp.int32)
+        return replace(plan, positions=on_device) if call.step == "decode_verified" else replace(plan, steps=on_device)
     if call.step in ("prefill", "prefill_scored"):
         empty = np.zeros((r, call.width), np.int32)
         scored = call.step == "prefill_scored"

@@ -48,8 +48,8 @@ def warmup(params: Params, cache: KVCache, penalties: Penalties, *, config: Mode
         bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in call._asdict().items() if v), refresh=False)
         if call.step in ("prefill", "prefill_scored"):
             cache, logits[call.rows], _ = prefill_step(params, cache, empty_plan(rules, call), **step)
-        elif call.step in ("decode", "decode_fed"):
-            fed = tokens[call.rows] if call.step == "decode_fed" else None
+        elif call.step in ("decode", "decode_fed", "decode_verified"):
+            fed = tokens[call.rows] if call.step != "decode" else None
             cache, logits[call.rows] = decode_step(params, cache, empty_plan(rules, call, fed), **step)
         elif call.step == "verify":
             cache, verified[call.rows] = verify_step(params, cache, empty_plan(rules, call), **step)
