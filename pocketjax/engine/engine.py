@@ -461,7 +461,16 @@ class Engine:
             raise RequestError("after= is a step whose sampler waits for the step before it (it has constrained "
                                "rows): collect that step first")
         tokens = after.out.tokens if after.out is not None else None
-        rows, plan, sample = decode_after(self.rules, after.rows, after.plan, after.sample, keep, tokens)
+        plan, sample = after.plan, after.sample
+        if isinstance(after.previous, PendingVerify) and after.previous.collected:
+            # `after` followed a verify on device (its positions and steps are device arrays: reading them would
+            # wait for `after`); that verify is read, so the host knows them: each slot's cached count, each
+            # request's generated count, which do not yet hold `after`'s token
+            held = [r if r is not None and not r.finished else None for r in after.rows]
+            plan = replace(plan, positions=np.array([len(self.slots.tokens[r.slot_id]) if r else 0 for r in held],
+                                                    np.int32))
+            sample = replace(sample, steps=np.array([len(r.generated_tokens) if r else 0 for r in held], np.int32))
+        rows, plan, sample = decode_after(self.rules, after.rows, plan, sample, keep, tokens)
         step = PendingDecode(list(requests), rows, plan, sample, previous=after)
         if any(r is not None and r.matcher is not None for r in rows):
             after.following = step  # its sampler is queued when `after` is collected (`_dispatch` defers it)

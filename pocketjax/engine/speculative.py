@@ -15,7 +15,6 @@ verify (k + 1 positions) only about once every MAX_SKIP + 1 steps.
 """
 from __future__ import annotations
 
-import statistics
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -107,10 +106,13 @@ class DraftState:
 
 @dataclass
 class StepClock:
-    """Seconds per decode step as served (the median of the last WINDOW per row bucket and kind): what a verify costs
-    on this machine and model relative to a plain step. On a GPU at a few rows both read the weights once and cost
-    about the same; on a CPU with a small model a step is compute-bound and k + 1 positions cost several steps.
-    Medians, so a busy neighbour does not count (the Scheduler drops steps that compiled).
+    """Seconds per decode step as served (the lower quartile of the last WINDOW per row bucket and kind): what a
+    verify costs on this machine and model relative to a plain step. On a GPU at a few rows both read the weights
+    once and cost about the same; on a CPU with a small model a step is compute-bound and k + 1 positions cost
+    several steps. A lower quartile, not the mean or median: a busy neighbour, or the first runs of a program just
+    compiled (measured: 2x a plain step's time on pocket-coder, three in a row), only ever add time, and one kind
+    can go many steps untimed while the other runs, so slow samples would stay (the Scheduler also drops steps
+    that compiled).
 
     Kinds: "plain", a pipelined decode step (the next one queued before its tokens are read); "verify", from the
     moment the device went idle for it to its tokens read (drafting, dispatch, device); "fed", a plain step queued
@@ -124,9 +126,9 @@ class StepClock:
         self.times.setdefault((kind, rows), deque(maxlen=WINDOW)).append(seconds)
 
     def seconds(self, kind: str, rows: int) -> float | None:
-        """The median step time, once MIN_TIMED steps of `kind` at `rows` were timed."""
+        """The step time (the lower quartile of the window), once MIN_TIMED steps of `kind` at `rows` were timed."""
         times = self.times.get((kind, rows), ())
-        return statistics.median(times) if len(times) >= MIN_TIMED else None
+        return sorted(times)[len(times) // 4] if len(times) >= MIN_TIMED else None
 
     def ratio(self, rows: int) -> float | None:
         """What a verify costs in plain steps at `rows`: its own time plus the extra time of the host-fed step that
