@@ -25,15 +25,15 @@ from ..model.memory import check_fits, plan_memory
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
 from .plan import (SAMPLERS, DecodePlan, SamplePlan, Signature, StepRules, VerifyPlan, VerifySamplePlan,
-                   decode_after, decode_after_verify, decode_from_host, empty_plan, prefill_plans, scored_positions,
-                   verify_plans)
+                   after_verify_rows, decode_after, decode_from_host, decode_plans, empty_plan, prefill_plans,
+                   scored_positions, verify_plans)
 from .request import BatchedRequest, RequestStatus
 from .sampling import SampleOutput, SamplingParams
 from .slots import SlotTable
 from .speculative import Speculator, drafts_nothing
 from .structured import Constrainer
-from .steps import (Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step, verify_sample_step,
-                    verify_step)
+from .steps import (Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step, verified_inputs,
+                    verify_sample_step, verify_step)
 from .warmup import compiled_count, warmup as warm_up
 
 
@@ -483,8 +483,10 @@ class Engine:
         keep = [r for r in running if not self._reaches_length(r, len(r.generated_tokens) + 1)]
         if after.out is None:  # nothing was dispatched (every row finished)
             return PendingDecode(list(requests), [None] * len(after.rows), None, None, previous=after)
-        rows, plan, sample = decode_after_verify(self.rules, after.rows, after.plan, after.sample, keep,
-                                                 after.out.tokens, after.accepted)
+        rows, order, active, last, dense = after_verify_rows(self.rules, after.rows, after.plan, keep)
+        fed, positions, steps = verified_inputs(after.out.tokens, after.accepted, after.plan.starts,
+                                                after.sample.steps, order, active)
+        plan, sample = decode_plans(self.rules, rows, dense, fed, positions, steps, last=last)
         return PendingDecode(list(requests), rows, plan, sample, previous=after)
 
     def _dispatch(self, step: PendingDecode) -> PendingDecode:

@@ -15,11 +15,10 @@ the very programs the engine runs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from .request import BatchedRequest
@@ -333,29 +332,23 @@ def decode_after(rules: StepRules, rows: Rows, plan: DecodePlan, sample: SampleP
                                 np.where(active, sample.steps + 1, 0)))
 
 
-def decode_after_verify(rules: StepRules, rows: Rows, plan: VerifyPlan, sample: VerifySamplePlan, keep: Rows,
-                        tokens: Any, accepted: Any) -> tuple[list[BatchedRequest | None], DecodePlan, SamplePlan]:
-    """The decode step after a verify step (`plan`, `sample`) over its rows, minus those not in `keep`: each row fed
-    the token the verify drew after its accepted drafts, at the position after them, as that many steps further;
-    `tokens` [rows, width] and `accepted` [rows] are the verify's outputs, on device, so nothing waits for the host.
-    The kv length covers the longest run a row could have accepted. Where a plain decode over as many rows is
-    dense (`StepRules.dense`), the rows are put in slot order, so the step is one of the plain decode's programs."""
+def after_verify_rows(rules: StepRules, rows: Rows, plan: VerifyPlan, keep: Rows
+                      ) -> tuple[list[BatchedRequest | None], np.ndarray, np.ndarray, int, bool]:
+    """The rows of the decode step queued after a verify step (`plan`) over the verify's rows minus those not in
+    `keep`: (rows, order: the verify row each takes, active, the furthest position a row can reach, dense). Where a
+    plain decode over as many rows is dense (`StepRules.dense`), rows are put in slot order, so the step is one of
+    the plain decode's programs. Its inputs come from the verify's outputs on device (`steps.verified_inputs`)."""
     going = {id(r) for r in keep}
     rows = [r if r is not None and id(r) in going else None for r in rows]
-    fed = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
-    at, step = plan.starts + accepted + 1, sample.steps + accepted + 1
-    reach = np.asarray(plan.starts) + np.asarray(plan.lengths)  # the furthest each row's next position can be
+    order = np.arange(len(rows), dtype=np.int32)
     dense = rules.dense(len(rows))
     if dense:  # row i <- the verify row of slot i's request
         by_slot = {r.slot_id: i for i, r in enumerate(rows) if r is not None}
         order = np.array([by_slot.get(s, 0) for s in range(len(rows))], np.int32)
         rows = [rows[by_slot[s]] if s in by_slot else None for s in range(len(rows))]
-        fed, at, step, reach = fed[order], at[order], step[order], reach[order]
     active = np.array([r is not None for r in rows])
-    positions = jnp.where(active, at, 0).astype(jnp.int32)
-    steps = jnp.where(active, step, 0).astype(jnp.int32)
-    last = int(np.max(np.where(active, reach, 0)))
-    return (rows, *decode_plans(rules, rows, dense, fed, positions, steps, last=last))
+    reach = (np.asarray(plan.starts) + np.asarray(plan.lengths))[order]  # a row's next position is at most this
+    return rows, order, active, int(np.max(np.where(active, reach, 0))), dense
 
 
 SAMPLERS = ("sample_first", "sample_next", "sample_first_masked", "sample_next_masked")
@@ -413,15 +406,10 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
 def empty_plan(rules: StepRules, call: Signature, tokens: Any = None
                ) -> PrefillPlan | DecodePlan | SamplePlan | VerifyPlan | VerifySamplePlan:
     """A plan of `call`'s shape that writes nothing: zero-length chunks, inactive rows, rows that end no prompt
-    (slot state untouched); "decode_fed" takes its input `tokens` (a sampler's, on device) as the engine does;
-    "decode_verified" and "sample_verified" take their positions and steps on device too (`decode_after_verify`)."""
+    (slot state untouched); "decode_fed" takes its input `tokens` (a sampler's, on device) as the engine does.
+    ("decode_verified" / "sample_verified" take device arrays of `steps.verified_inputs`: warm-up builds them.)"""
     r = call.rows
     zeros = np.zeros(r, np.int32)
-    if call.step in ("decode_verified", "sample_verified"):
-        plan = empty_plan(rules, call._replace(step="decode_fed" if call.step == "decode_verified" else "sample_next"),
-                          tokens)
-        on_device = jnp.zeros(r, jnp.int32)
-        return replace(plan, positions=on_device) if call.step == "decode_verified" else replace(plan, steps=on_device)
     if call.step in ("prefill", "prefill_scored"):
         empty = np.zeros((r, call.width), np.int32)
         scored = call.step == "prefill_scored"

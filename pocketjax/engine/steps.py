@@ -194,4 +194,17 @@ def verify_sample_step(penalties: Penalties, logits: jax.Array, plan: VerifySamp
     return Penalties(penalties.prompt_mask, new_counts), out, accepted
 
 
-STEP_FUNCTIONS = (prefill_step, decode_step, sample_step, copy_slot_prefix, verify_step, verify_sample_step)
+@jax.jit
+def verified_inputs(tokens: jax.Array, accepted: jax.Array, starts, steps, order, active
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The inputs of the decode step queued after a verify, from its outputs on device (tokens [rows, width],
+    accepted [rows]) and its plan (starts, steps [rows]): each row's token drawn after its accepted drafts, its
+    position and its token index, in the rows' `order` (`plan.after_verify_rows`), 0 where not `active`. Jitted,
+    so it compiles with the other steps (warm-up) instead of as eager ops on first use."""
+    fed = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+    return (fed[order], jnp.where(active, (starts + accepted + 1)[order], 0),
+            jnp.where(active, (steps + accepted + 1)[order], 0))
+
+
+STEP_FUNCTIONS = (prefill_step, decode_step, sample_step, copy_slot_prefix, verify_step, verify_sample_step,
+                  verified_inputs)

@@ -8,6 +8,8 @@ slot onto itself, so slots and their cached prefixes are untouched. It knows not
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 from tqdm.auto import tqdm
@@ -17,7 +19,7 @@ from ..model.decoder import Params
 from ..model.kv_cache import KVCache
 from .plan import StepRules, empty_plan, signatures
 from .steps import (STEP_FUNCTIONS, Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step,
-                    verify_sample_step, verify_step)
+                    verified_inputs, verify_sample_step, verify_step)
 
 
 def compiled_count() -> int:
@@ -38,6 +40,7 @@ def warmup(params: Params, cache: KVCache, penalties: Penalties, *, config: Mode
     before = compiled_count()
     logits, tokens = {}, {}  # rows -> the latest forward step's logits, the latest sampled tokens (on device)
     verified = {}  # rows -> the latest verify step's logits
+    drawn, verified_steps = {}, {}  # rows -> its sampler's (tokens, accepted); the step indices computed from them
     calls = signatures(rules, prompt_logprobs, structured)
     if calls:  # the first forward and sampler calls see the cache and penalties as allocated, and a step may return
         # them in another form (on a mesh, the penalties come back replicated over it): run both again in that form
@@ -48,13 +51,23 @@ def warmup(params: Params, cache: KVCache, penalties: Penalties, *, config: Mode
         bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in call._asdict().items() if v), refresh=False)
         if call.step in ("prefill", "prefill_scored"):
             cache, logits[call.rows], _ = prefill_step(params, cache, empty_plan(rules, call), **step)
-        elif call.step in ("decode", "decode_fed", "decode_verified"):
-            fed = tokens[call.rows] if call.step != "decode" else None
+        elif call.step in ("decode", "decode_fed"):
+            fed = tokens[call.rows] if call.step == "decode_fed" else None
             cache, logits[call.rows] = decode_step(params, cache, empty_plan(rules, call, fed), **step)
+        elif call.step == "decode_verified":  # inputs from the verify's outputs, as Engine._fed_after_verify has them
+            r = call.rows
+            plan = empty_plan(rules, call._replace(step="decode"))
+            fed, positions, verified_steps[r] = verified_inputs(*drawn[r], plan.positions, plan.positions,
+                                                                np.arange(r, dtype=np.int32), plan.active)
+            cache, logits[r] = decode_step(params, cache, replace(plan, tokens=fed, positions=positions), **step)
+        elif call.step == "sample_verified":
+            plan = replace(empty_plan(rules, call._replace(step="sample_next")), steps=verified_steps[call.rows])
+            penalties, _ = sample_step(penalties, logits[call.rows], plan)
         elif call.step == "verify":
             cache, verified[call.rows] = verify_step(params, cache, empty_plan(rules, call), **step)
         elif call.step == "sample_verify":
-            penalties, _, _ = verify_sample_step(penalties, verified[call.rows], empty_plan(rules, call))
+            penalties, out, accepted = verify_sample_step(penalties, verified[call.rows], empty_plan(rules, call))
+            drawn[call.rows] = (out.tokens, accepted)
         elif call.step == "copy_prefix":
             length = np.int32(cache.lengths[0])  # slot 0 onto itself, its own length: nothing changes
             cache = copy_slot_prefix(cache, np.int32(0), np.int32(0), length)
