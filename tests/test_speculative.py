@@ -168,26 +168,21 @@ def test_a_new_request_expects_what_the_engine_accepted_so_far():
     assert speculator.expected(old) == pytest.approx(0.75 * (0.75 * 2.0 * 0.75) + 0.25)  # its own running mean
 
 
-def test_the_scheduler_looks_up_drafts_only_where_looking_pays_on_average():
-    """Whether to read the step in flight and look up drafts: by how often each request's lookups find one and what
-    it then accepts, against the cost of a verify and of the host-fed step a fruitless look leaves."""
+def test_the_gain_before_a_lookup_counts_the_lookups_that_find_nothing():
+    """Whether the Scheduler reads the step in flight to look up drafts: by the expected accepted drafts times the
+    share of lookups that found one, so a request whose lookups mostly miss does not break the pipeline each step."""
     speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=2))
-    loop, miss = BatchedRequest("loop", [1, 2, 1, 2, 1, 2], GREEDY), BatchedRequest("miss", [3, 4, 5, 6], GREEDY)
-    loop.generated_tokens, loop.last_token, miss.generated_tokens, miss.last_token = [1], 1, [7], 7
-    assert speculator.propose(loop, 4) == [2, 1, 2, 1] and speculator.propose(miss, 4) == []
-    assert speculator.finds(loop) == 1.0 and speculator.finds(miss) == pytest.approx(0.75)  # the engine's 1 of 1, then
-    assert speculator.finds(BatchedRequest("new", [9], GREEDY)) == 0.5  # never looked up: the engine's share
-    assert speculator.worth_looking(1, 1, [miss])  # nothing timed: try
-    for kind, seconds in (("plain", 1.0), ("verify", 2.5), ("fed", 1.4)):
-        for _ in range(3):
-            speculator.clock.observe(kind, 1, seconds)
-    assert speculator.clock.break_cost(1) == pytest.approx(0.4) and speculator.clock.ratio(1) == pytest.approx(2.9)
-    state = speculator.state(miss)
-    state.found, state.expected = 0.5, 3.0  # found half the time, then 3 accepted: 0.5 * 1.1 > 0.5 * 0.4
-    assert speculator.worth_looking(1, 1, [miss])
-    state.expected = 2.0  # 0.5 * 0.1 < 0.5 * 0.4: a look would mostly cost a host-fed step
-    assert not speculator.worth_looking(1, 1, [miss])
-    assert speculator.pays(1, 1, [2.0])  # found, 2 accepted pays for the verify itself: looking is the other question
+    loop, fresh = BatchedRequest("loop", [1, 2, 1, 2, 1, 2], GREEDY), BatchedRequest("new", [9], GREEDY)
+    loop.generated_tokens, loop.last_token = [1], 1
+    assert speculator.likely_gain(loop) == 2.0  # nothing looked up yet: k / 2, found for sure
+    assert speculator.propose(loop, 4) == [2, 1, 2, 1]
+    miss = BatchedRequest("miss", [3, 4, 5, 6], GREEDY)
+    miss.generated_tokens, miss.last_token = [7], 7
+    assert speculator.propose(miss, 4) == []
+    assert speculator.finds(loop) == 1.0
+    assert speculator.finds(miss) == pytest.approx(0.75)  # from the engine's share then (1 of 1), one miss
+    assert speculator.finds(fresh) == 0.5  # a request never looked up: the engine's share so far
+    assert speculator.likely_gain(miss) == pytest.approx(0.75 * 2.0)
 
 
 # ---- exactness ---------------------------------------------------------------------------------------------------
@@ -390,7 +385,6 @@ def coder():
     plain = pj.LLM(**sizes)
     spec = pj.LLM(plain.model, **sizes, speculative=dict(method="ngram", num_speculative_tokens=4))
     spec.engine.speculator.pays = lambda *_: True  # verify whenever a draft exists: the policy on time is tested apart
-    spec.engine.speculator.worth_looking = lambda *_: True
     yield plain, spec
     plain.close()
     spec.close()
@@ -456,7 +450,7 @@ def test_scheduler_times_each_step_as_the_device_ran_it(model, monkeypatch):
     fake = argparse.Namespace(now=0.0)
     monkeypatch.setattr(scheduler_module, "time", argparse.Namespace(perf_counter=lambda: fake.now))
     engine = Engine(model, **SIZES, speculative=SPEC)
-    engine.speculator.pays = engine.speculator.worth_looking = lambda *_: True  # verify whenever a draft exists
+    engine.speculator.pays = lambda *_: True  # verify whenever a draft exists
     for name, cost in (("decode_collect", 1.0), ("verify_collect", 5.0)):
         def collect(step, _read=getattr(engine, name), _cost=cost):
             fake.now += 0.0 if step.collected else _cost
@@ -532,7 +526,7 @@ def test_scheduler_leaves_speculation_on_device_and_stays_exact(engines, model):
     plain, _ = engines
     spec = Engine(model, **SIZES, speculative=SPEC)
     verdicts = cycle([True, True, False, True, False, False, False])
-    spec.speculator.pays = spec.speculator.worth_looking = lambda *_: next(verdicts)
+    spec.speculator.pays = lambda *_: next(verdicts)
     followed = []
     dispatch = spec.decode_dispatch
 

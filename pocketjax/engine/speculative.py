@@ -15,7 +15,6 @@ verify (k + 1 positions) only about once every MAX_SKIP + 1 steps.
 """
 from __future__ import annotations
 
-import itertools
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,7 +29,6 @@ MIN_TIMED = 3  # step times needed before StepClock trusts a median
 EXPLORE = 32  # every EXPLORE-th verify the clock refuses runs anyway, so a stale median is measured again
 MAX_SKIP = 16  # most steps a request waits before it drafts again, after drafts that were all rejected
 MISS_SKIP = 2  # most after lookups that found nothing (cheap: they cost no verify, only the step's pipelining)
-LOOK_AT = 4  # requests weighed by Speculator.worth_looking (2 ** LOOK_AT cases of which lookups find a draft)
 
 
 class NgramIndex:
@@ -142,12 +140,8 @@ class StepClock:
             return 1.0
         if plain is None:
             return None
-        return (verify + self.break_cost(rows) * plain) / plain
-
-    def break_cost(self, rows: int) -> float:
-        """What a host-fed plain step costs beyond a pipelined one, in plain steps (0 until both were timed)."""
-        fed, plain = self.seconds("fed", rows), self.seconds("plain", rows)
-        return max(0.0, fed - plain) / plain if fed is not None and plain is not None else 0.0
+        fed = self.seconds("fed", rows)
+        return (verify + max(0.0, (fed or plain) - plain)) / plain
 
 
 def drafts_nothing(req: BatchedRequest) -> bool:
@@ -209,28 +203,10 @@ class Speculator:
             return share
         return self.found / self.lookups if self.lookups else 1.0
 
-    def worth_looking(self, rows: int, running: int, requests: Sequence[BatchedRequest]) -> bool:
-        """Whether to read the step in flight and look up drafts for `requests` (those due), with `running` requests
-        in `rows` rows: looking pays when the verify it may lead to is worth more, on average over which lookups find
-        a draft (`finds`), than the host-fed plain step it costs when the drafts found do not pay (`pays` decides
-        then). In plain steps: E[max(0, sum of found `expected` - running * (ratio - 1))] > P(no verify) * the clock's
-        `break_cost`. The LOOK_AT most promising requests are weighed, each found or not independently."""
-        ratio = self.clock.ratio(rows)
-        if ratio is None:
-            return False
-        need = running * (ratio - 1)
-        odds = sorted(((self.finds(r), self.expected(r)) for r in requests), key=lambda c: -c[0] * c[1])[:LOOK_AT]
-        gain = miss = 0.0
-        for found in itertools.product((False, True), repeat=len(odds)):
-            p, total = 1.0, 0.0
-            for (share, expected), hit in zip(odds, found):
-                p *= share if hit else 1 - share
-                total += expected if hit else 0.0
-            if total > need:
-                gain += p * (total - need)
-            else:
-                miss += p
-        return gain > miss * self.clock.break_cost(rows)
+    def likely_gain(self, req: BatchedRequest) -> float:
+        """Drafts req is expected to have accepted at its next verify before its lookup ran: it may find none (the
+        Scheduler decides by this whether to read the step in flight and look; after looking, by `expected`)."""
+        return self.finds(req) * self.expected(req)
 
     def record(self, req: BatchedRequest, proposed: int, accepted: int) -> None:
         """A verified draft of `proposed` tokens of which `accepted` were kept."""

@@ -338,8 +338,8 @@ class Scheduler:
         fed = last if timed and last[0] == "fed" and last[1] == rows else None
         due = spec.due(requests)
         pending = self._pending
-        due_now = [r for r, on in zip(requests, due) if on]
-        if not (due_now and (self.group is not None or spec.worth_looking(rows, len(running), due_now))):
+        optimistic = [spec.likely_gain(r) for r, on in zip(requests, due) if on]
+        if not (optimistic and pays(rows, len(running), optimistic)):
             if self.pipeline:  # (after a verify: the next step follows it on device, its accepted counts unread)
                 compiled = self.engine.compiled_count()
                 self._decode_pipelined(handles)
