@@ -168,23 +168,6 @@ def test_a_new_request_expects_what_the_engine_accepted_so_far():
     assert speculator.expected(old) == pytest.approx(0.75 * (0.75 * 2.0 * 0.75) + 0.25)  # its own running mean
 
 
-def test_the_gain_before_a_lookup_counts_the_lookups_that_find_nothing():
-    """Whether the Scheduler reads the step in flight to look up drafts: by the expected accepted drafts times the
-    share of lookups that found one, so a request whose lookups mostly miss does not break the pipeline each step."""
-    speculator = Speculator(SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=2))
-    loop, fresh = BatchedRequest("loop", [1, 2, 1, 2, 1, 2], GREEDY), BatchedRequest("new", [9], GREEDY)
-    loop.generated_tokens, loop.last_token = [1], 1
-    assert speculator.likely_gain(loop) == 2.0  # nothing looked up yet: k / 2, found for sure
-    assert speculator.propose(loop, 4) == [2, 1, 2, 1]
-    miss = BatchedRequest("miss", [3, 4, 5, 6], GREEDY)
-    miss.generated_tokens, miss.last_token = [7], 7
-    assert speculator.propose(miss, 4) == []
-    assert speculator.finds(loop) == 1.0
-    assert speculator.finds(miss) == pytest.approx(0.75)  # from the engine's share then (1 of 1), one miss
-    assert speculator.finds(fresh) == 0.5  # a request never looked up: the engine's share so far
-    assert speculator.likely_gain(miss) == pytest.approx(0.75 * 2.0)
-
-
 # ---- exactness ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("case", ["alone", "batched", "chunked"])

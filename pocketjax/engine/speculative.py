@@ -102,7 +102,6 @@ class DraftState:
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # of those, accepted
     expected: float | None = None  # running mean of drafts accepted per verify (None: none verified yet)
-    found: float | None = None  # running share of its lookups that found a draft (None: none looked up yet)
 
 
 @dataclass
@@ -157,7 +156,6 @@ class Speculator:
         self.config = config
         self.states: dict[Any, tuple[BatchedRequest, DraftState]] = {}
         self.total_proposed = self.total_accepted = 0  # draft tokens verified, and accepted, over the engine's life
-        self.lookups = self.found = 0  # lookups, and those that found a draft, over the engine's life
         self.histogram: Counter[int] = Counter()  # accepted drafts per verified row -> how often
         self.clock = StepClock()  # fed by the Scheduler, which alone sees steps as served
         self.refused: Counter[int] = Counter()  # verifies the clock refused, per row bucket
@@ -191,22 +189,7 @@ class Speculator:
         draft = state.index.propose(state.tokens, min(self.k, room)) if room > 0 else []
         if not draft:
             state.backoff.record(0, MISS_SKIP)
-        prior = self.finds(req)
-        self.lookups, self.found = self.lookups + 1, self.found + bool(draft)
-        state.found = (1 - EMA) * prior + EMA * bool(draft)
         return draft
-
-    def finds(self, req: BatchedRequest) -> float:
-        """How likely req's next lookup finds a draft: its running share; before its first lookup, the engine's."""
-        share = self.state(req).found
-        if share is not None:
-            return share
-        return self.found / self.lookups if self.lookups else 1.0
-
-    def likely_gain(self, req: BatchedRequest) -> float:
-        """Drafts req is expected to have accepted at its next verify before its lookup ran: it may find none (the
-        Scheduler decides by this whether to read the step in flight and look; after looking, by `expected`)."""
-        return self.finds(req) * self.expected(req)
 
     def record(self, req: BatchedRequest, proposed: int, accepted: int) -> None:
         """A verified draft of `proposed` tokens of which `accepted` were kept."""

@@ -338,7 +338,7 @@ class Scheduler:
         fed = last if timed and last[0] == "fed" and last[1] == rows else None
         due = spec.due(requests)
         pending = self._pending
-        optimistic = [spec.likely_gain(r) for r, on in zip(requests, due) if on]
+        optimistic = [spec.expected(r) for r, on in zip(requests, due) if on]
         if not (optimistic and pays(rows, len(running), optimistic)):
             if self.pipeline:  # (after a verify: the next step follows it on device, its accepted counts unread)
                 compiled = self.engine.compiled_count()
