@@ -181,13 +181,17 @@ def test_identical_to_plain_decoding_with_its_own_drafts(engines, model, case):
     assert accepted(spec)[0] > before[0]
 
 
-def run_with_drafts(engine: Engine, prompt_list, params, truth, seed: int) -> list[BatchedRequest]:
+def run_with_drafts(engine: Engine, prompt_list, params, truth, seed: int, then_decode: bool = False
+                    ) -> list[BatchedRequest]:
     """Verify steps only, each row's draft the true continuation `truth` (what plain decoding gave) cut to a random
-    length 0..k and, one time in three, wrong at a random place: every position and every accepted count occurs."""
+    length 0..k and, one time in three, wrong at a random place: every position and every accepted count occurs.
+    `then_decode`: each verify is followed by a decode step queued on device after it, before either is read (its
+    token and position come from the verify's accepted counts); slots are then taken in reverse, so a dense step
+    reorders the verify's rows."""
     rng = np.random.default_rng(seed)
     k = engine.speculator.k
     reqs = [BatchedRequest(i, list(p), s) for i, (p, s) in enumerate(zip(prompt_list, params))]
-    for r in reqs:
+    for r in (reversed(reqs) if then_decode else reqs):
         engine.allocate_slot(r)
     engine.batch_prefill(reqs)
     while not all(r.finished for r in reqs):
@@ -198,7 +202,11 @@ def run_with_drafts(engine: Engine, prompt_list, params, truth, seed: int) -> li
             if d and rng.random() < 1 / 3:
                 d[int(rng.integers(len(d)))] = int(rng.integers(model_vocab(engine)))
             drafts.append(d)
-        engine.verify_collect(engine.verify_dispatch(reqs, drafts))
+        verify = engine.verify_dispatch(reqs, drafts)
+        following = engine.decode_dispatch(reqs, after=verify) if then_decode else None
+        engine.collect(verify)
+        if following is not None:
+            engine.collect(following)
     for r in reqs:
         engine.free_slot(r.request_id)
     return reqs
@@ -451,33 +459,6 @@ def test_scheduler_times_each_step_as_the_device_ran_it(model, monkeypatch):
     assert timed == {"plain": {1.0}, "verify": {5.0}, "fed": {1.0}}  # every kind ran and was timed
 
 
-def run_verify_then_decode(engine: Engine, prompt_list, params, truth, seed: int) -> list[BatchedRequest]:
-    """Each round: a verify step with drafts of the true continuation (cut and corrupted at random, as
-    `run_with_drafts`), then a decode step queued on device after it, before either is read: its token and position
-    come from the verify's accepted counts. Slots are taken in reverse, so a dense step reorders the verify's rows."""
-    rng = np.random.default_rng(seed)
-    k = engine.speculator.k
-    reqs = [BatchedRequest(i, list(p), s) for i, (p, s) in enumerate(zip(prompt_list, params))]
-    for r in reversed(reqs):
-        engine.allocate_slot(r)
-    engine.batch_prefill(reqs)
-    while not all(r.finished for r in reqs):
-        drafts = []
-        for r, want in zip(reqs, truth):
-            g = len(r.generated_tokens)
-            d = list(want[g: g + int(rng.integers(0, k + 1))])
-            if d and rng.random() < 1 / 3:
-                d[int(rng.integers(len(d)))] = int(rng.integers(model_vocab(engine)))
-            drafts.append(d)
-        verify = engine.verify_dispatch(reqs, drafts)
-        following = engine.decode_dispatch(reqs, after=verify)
-        engine.collect(verify)
-        engine.collect(following)
-    for r in reqs:
-        engine.free_slot(r.request_id)
-    return reqs
-
-
 def test_a_decode_step_queued_on_device_after_a_verify_is_exact(engines, model):
     """The decode step after a verify reads the verify's drawn token and accepted count on device: tokens,
     logprobs, penalty counts and the random stream as plain decoding's, for every accepted count, with a stop token
@@ -491,7 +472,7 @@ def test_a_decode_step_queued_on_device_after_a_verify_is_exact(engines, model):
                          stop_token_ids=[stop])]
     want = run(plain, ps, sp, False)
     before = dict(spec.speculator.histogram)
-    got = run_verify_then_decode(spec, ps, sp, [r.generated_tokens for r in want], seed=3)
+    got = run_with_drafts(spec, ps, sp, [r.generated_tokens for r in want], seed=3, then_decode=True)
     assert_same(want, got)
     assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
     new = {n for n, c in spec.speculator.histogram.items() if c > before.get(n, 0)}

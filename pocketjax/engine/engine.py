@@ -88,9 +88,7 @@ class PendingVerify:
     def collected(self) -> bool:
         return self.results is not None
 
-    def continues(self, requests: Sequence[BatchedRequest]) -> bool:
-        """True when every unfinished request has a row here, so a decode step can follow it on device."""
-        return PendingDecode.continues(self, requests)
+    continues = PendingDecode.continues  # every unfinished request has a row: a decode step can follow on device
 
 
 def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
