@@ -44,7 +44,7 @@ from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.plan import bucket, decode_at  # noqa: E402
 from pocketjax.engine.steps import decode_step, sample_step  # noqa: E402
 from pocketjax.model.kv_cache import init_cache  # noqa: E402
-from pocketjax.model import layers  # noqa: E402
+from pocketjax.model import cpu_kernels  # noqa: E402
 from pocketjax.model.layers import ATTENTION_IMPLS  # noqa: E402
 from pocketjax.model.decoder import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
 from pocketjax.engine.sampling import SamplingParams  # noqa: E402
@@ -77,6 +77,9 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
                    ">= prompt + gen, at least 128)")
     p.add_argument("--prefill-chunk", type=int, default=default(512))
     p.add_argument("--attention", default=default("auto"), choices=list(ATTENTION_IMPLS))
+    p.add_argument("--forms", default=default("invariant"),
+                   help="comma-separated: invariant (the default engine: native CPU kernels, batch-invariant), xla "
+                        "(batch_invariant=False: XLA's forms, system 'pocketjax-xla-forms'); both: the cost table")
     p.add_argument("--peers", default=default("transformers"),
                    help="comma-separated: transformers, llamacpp ('' for none)")
     p.add_argument("--gguf", default=default(None),
@@ -113,6 +116,9 @@ def resolve_args(args: argparse.Namespace | dict | None = None, **kwargs) -> Sim
     out.update(given)
     out["concurrency"] = parse_ints(out["concurrency"])
     out["peers"] = parse_names(out["peers"])
+    out["forms"] = parse_names(out["forms"]) or ["invariant"]
+    if set(out["forms"]) - {"invariant", "xla"}:
+        raise SystemExit(f"--forms: invariant and/or xla, got {out['forms']}")
     out["load_dtypes"] = parse_names(out["load_dtypes"]) or [out["dtype"]]
     out["quantize"] = [None if q == "none" else q for q in parse_names(out["quantize"])] or [None]
     out["gguf_types"] = parse_names(out["gguf_types"]) or (
@@ -155,7 +161,7 @@ ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "a
 
 def cpu_features() -> dict:
     """The CPU's vendor / family / model and the ISA flags a product's library path depends on (from /proc/cpuinfo),
-    and this process's measured bf16-vs-f32 product (`layers.bfloat16_probe`), which picks the CPU default dtype."""
+    and the code paths pocketjax's native kernels run here (None where they are not built)."""
     fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -164,10 +170,13 @@ def cpu_features() -> dict:
     except OSError:
         pass
     flags = set((fields.get("flags") or fields.get("Features") or "").split())
-    probe = layers.bfloat16_probe() if jax.default_backend() == "cpu" else None
+    kernels = None
+    if jax.default_backend() == "cpu" and cpu_kernels.available():
+        kernels = {"float32_weight": cpu_kernels.resolved_isa_name(jnp.float32, jnp.float32),
+                   "bfloat16_weight": cpu_kernels.resolved_isa_name(jnp.bfloat16, jnp.bfloat16)}
     return {"cpu_vendor": fields.get("vendor_id"), "cpu_family": fields.get("cpu family"),
             "cpu_model": fields.get("model"), "isa_flags": [f for f in ISA_FLAGS if f in flags],
-            "bfloat16_probe": None if probe is None else {**asdict(probe), "fast": probe.fast}}
+            "cpu_kernels": kernels}
 
 
 def machine_info(args: SimpleNamespace, peaks: roofline.Peaks) -> dict:
@@ -384,12 +393,14 @@ def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: Simple
             "host_ms": ms["step"] - ms["forward"] - ms["sampler"]}
 
 
-def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str, quantize: str | None = None
-                    ) -> tuple[list[dict], ModelConfig]:
+def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str, quantize: str | None = None,
+                    forms: str = "invariant") -> tuple[list[dict], ModelConfig]:
     model = load_model(str(folder), dtype=None if load_dtype == "default" else load_dtype, quantize=quantize)
     dtype = jnp.dtype(model.dtype).name
     engine = Engine(model, max_batch_size=max(args.concurrency), max_seq_len=args.max_seq_len,
-                    prefill_chunk=args.prefill_chunk, attention_impl=args.attention)
+                    prefill_chunk=args.prefill_chunk, attention_impl=args.attention,
+                    batch_invariant=forms == "invariant")
+    system = "pocketjax" if forms == "invariant" else "pocketjax-xla-forms"
     prompts = Prompts(model.config.vocab_size)
     records = []
     for c in args.concurrency:
@@ -403,7 +414,7 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str, quanti
             decodes.append(sum(step_s))
             steps.extend(step_s)
         n_steps = args.gen_len - 1
-        rec = {"system": "pocketjax", "dtype": dtype, "concurrency": c, "load_dtype": load_dtype, "quantize": quantize,
+        rec = {"system": system, "dtype": dtype, "concurrency": c, "load_dtype": load_dtype, "quantize": quantize,
                "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
                "decode_tok_s": c * n_steps / float(np.median(decodes)),
                "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
@@ -414,9 +425,9 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str, quanti
         if args.checks:
             rec.update(step_breakdown(model, engine, prompts, c, args))
         records.append(rec)
-        print(f"pocketjax c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s "
+        print(f"{system} c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s "
               f"({rec['decode_step_ms']:.1f} ms/step; warm-up {warmup_s:.1f} s)", flush=True)
-    if args.checks:
+    if args.checks and forms == "invariant":
         checks = overhead_checks(model, engine, prompts, args)
         c1 = next((r for r in records if r["concurrency"] == 1), None)
         if c1 is None:
@@ -679,7 +690,7 @@ def summary_lines(result: dict) -> list[str]:
     out = [f"machine: {m['cpu']}, {m['usable_cores']} usable cores, jax {m['jax']} ({m['jax_backend']}), "
            f"torch {m['torch']}, loadavg {m['loadavg_start'][0]:.1f} -> {m['loadavg_end'][0]:.1f}",
            f"cpu: {m.get('cpu_vendor')} family {m.get('cpu_family')} model {m.get('cpu_model')}, ISA "
-           f"{' '.join(m.get('isa_flags') or []) or '?'}; bf16 probe {m.get('bfloat16_probe')}",
+           f"{' '.join(m.get('isa_flags') or []) or '?'}; native kernels {m.get('cpu_kernels')}",
            f"peaks: read bandwidth {p['bandwidth_bytes_s'] / 1e9:.2f} GB/s (start "
            f"{m['peaks_start']['bandwidth_bytes_s'] / 1e9:.2f}, end {m['peaks_end']['bandwidth_bytes_s'] / 1e9:.2f}: "
            f"spread {100 * m['bandwidth_spread']:.1f}%; copy {p['copy_bytes_s'] / 1e9:.2f}), matmul "
@@ -757,12 +768,13 @@ def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> di
     probe_bytes = (256 << 20) if args.quick else (1 << 30)
     for load_dtype in args.load_dtypes:
         for quantize in args.quantize:
-            t0 = time.perf_counter()
-            bandwidth = max(roofline.read_bandwidth(probe_bytes, 4).values())
-            rows, config = bench_pocketjax(folder, args, load_dtype, quantize)
-            records += probed(rows, bandwidth)
-            phases[f"pocketjax-{load_dtype}-{quantize or 'float'}"] = time.perf_counter() - t0
-            save(result, config, args, peaks)  # after each system, so a long run that is stopped keeps what it measured
+            for forms in args.forms:
+                t0 = time.perf_counter()
+                bandwidth = max(roofline.read_bandwidth(probe_bytes, 4).values())
+                rows, config = bench_pocketjax(folder, args, load_dtype, quantize, forms)
+                records += probed(rows, bandwidth)
+                phases[f"pocketjax-{load_dtype}-{quantize or 'float'}-{forms}"] = time.perf_counter() - t0
+                save(result, config, args, peaks)  # after each system: a long run that is stopped keeps its rows
     peers = {"transformers": bench_transformers, "llamacpp": bench_llamacpp}
     for name in args.peers:
         t0 = time.perf_counter()

@@ -53,15 +53,15 @@ def decode_inputs(q, k_cache, v_cache, lengths, slots, block_k: int | None, num_
     bk = tuning.next_pow2(block_k or cfg["block_k"])
     bk = max(16, min(bk, tuning.next_pow2(t)))
     n_blocks = pl.cdiv(t, bk)
-    splits = num_splits or tuning.num_splits_for(s, kv_heads, n_blocks, tuning.num_cores(target))
-    splits = max(1, min(splits, n_blocks))
+    splits, per_split = tuning.split_plan(n_blocks, tuning.num_cores(target), num_splits)
 
     slots = jnp.arange(s) if slots is None else slots
     slots = jnp.clip(slots.astype(jnp.int32), 0, s_cache - 1)
     lengths = jnp.clip(lengths.astype(jnp.int32), 0, t)
     qg = q.astype(compute_dtype(q, k_cache)).reshape(s, kv_heads, g, d)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, gp - g), (0, dp - d)))
-    launch = dict(block_k=bk, num_splits=splits, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch = dict(block_k=bk, num_splits=splits, blocks_per_split=per_split, num_warps=cfg["num_warps"],
+                  num_stages=cfg["num_stages"])
     return qg, slots, lengths, launch
 
 

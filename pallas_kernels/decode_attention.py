@@ -8,13 +8,11 @@ loops only over the blocks below the length: blocks past it are never loaded, an
 block pays for a mask.
 
 Split-K (flash-decoding): with few slots and long contexts, S * kv_heads programs cannot fill a GPU,
-so the keys of each row are cut into `num_splits` shares of its *actual* length (computed in the
-kernel from lengths[s], so short rows in a long cache still spread their work). Each split writes an
-unnormalized float32 partial with its running max and sum; `_combine` merges them in plain JAX.
-Default split count (`tuning.num_splits_for`): enough programs for about two waves over the GPU's SMs,
-rounded to a power of two, at most 64, and at least 4 key blocks per split of the cache capacity so
-the partial writes and the combine stay small next to the K/V reads. One split (the CPU default)
-normalizes in the kernel and skips the combine.
+so the keys are cut into splits of a FIXED number of key blocks (`tuning.split_plan`): split j covers
+blocks [j * per, (j + 1) * per) whatever the row count or the row's length, so a row's reduction tree, and
+its bits, never depend on the batch (issue 43; the split count used to follow the row count). Each split
+writes an unnormalized float32 partial with its running max and sum; `_combine` merges them in split order
+(splits past a row's length contribute exact zeros). One split (the CPU default) normalizes in the kernel.
 """
 from __future__ import annotations
 
@@ -46,6 +44,7 @@ def _decode_kernel(
     scale_log2: float,
     block_k: int,
     num_splits: int,
+    blocks_per_split: int,
     head_dim: int,
     quantized: bool,
 ):
@@ -55,9 +54,8 @@ def _decode_kernel(
     slot, length = slots_ref[0], lengths_ref[0]
     rows, dp = q_ref.shape
     n_blocks = pl.cdiv(length, block_k)
-    per_split = pl.cdiv(n_blocks, num_splits)
-    first = pl.program_id(2) * per_split
-    last = jnp.minimum(first + per_split, n_blocks)
+    first = pl.program_id(2) * blocks_per_split  # fixed shares of the key positions (module docstring)
+    last = jnp.minimum(first + blocks_per_split, n_blocks)
     split_full = jnp.clip(length // block_k, first, last)  # [first, split_full) needs no row mask
     q = q_ref[...]
 
@@ -82,10 +80,13 @@ def _decode_kernel(
 
 
 def _combine(o, m, l):
-    """Merge split partials o [.., splits, Gp, Dp], m/l [.., splits, Gp] into normalized [.., Gp, Dp]."""
-    w = jnp.exp2(m - m.max(axis=-2, keepdims=True))
-    l_total = (l * w).sum(axis=-2)
-    acc = (o * w[..., None]).sum(axis=-3)
+    """Merge split partials o [.., splits, Gp, Dp], m/l [.., splits, Gp] into normalized [.., Gp, Dp], summing the
+    splits in split order (elementwise adds: XLA's reduce would pick its order from the shapes)."""
+    w = jnp.exp2(m - m.max(axis=-2, keepdims=True))  # a max is exact in any order
+    l_total, acc = l[..., 0, :] * w[..., 0, :], o[..., 0, :, :] * w[..., 0, :, None]
+    for j in range(1, m.shape[-2]):
+        l_total = l_total + l[..., j, :] * w[..., j, :]
+        acc = acc + o[..., j, :, :] * w[..., j, :, None]
     return jnp.where(l_total[..., None] > 0, acc / jnp.where(l_total > 0, l_total, 1.0)[..., None], 0.0)
 
 
@@ -102,6 +103,7 @@ def _decode_call(
     scale_log2: float,
     block_k: int,
     num_splits: int,
+    blocks_per_split: int,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -123,7 +125,8 @@ def _decode_call(
                      pl.BlockSpec((None, None, None, gp), lambda i, h, j: (i, h, j, 0)),
                      pl.BlockSpec((None, None, None, gp), lambda i, h, j: (i, h, j, 0)))
     kernel = functools.partial(_decode_kernel, scale_log2=scale_log2, block_k=block_k, num_splits=num_splits,
-                               head_dim=k_cache.shape[3], quantized=k_scale is not None)
+                               blocks_per_split=blocks_per_split, head_dim=k_cache.shape[3],
+                               quantized=k_scale is not None)
     out = pl.pallas_call(
         kernel,
         grid=(s, kv_heads, num_splits),

@@ -42,6 +42,7 @@ def decode_kernel(
     DP: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCKS_PER_SPLIT: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -50,9 +51,8 @@ def decode_kernel(
     slot = tl.load(slots_ptr + s).to(tl.int64)
     length = tl.load(lengths_ptr + s)
     n_blocks = tl.cdiv(length, BLOCK_K)
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-    first = j * per_split
-    last = tl.minimum(first + per_split, n_blocks)
+    first = j * BLOCKS_PER_SPLIT  # fixed shares of the key positions: the bits never depend on the batch
+    last = tl.minimum(first + BLOCKS_PER_SPLIT, n_blocks)
 
     rows = tl.arange(0, GP)
     cols = tl.arange(0, DP)
@@ -108,6 +108,7 @@ def plan_decode(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=None, sl
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
         meta=dict(scale_log2=softmax_scale_log2(sm_scale, d), KV_HEADS=kv_heads, SEQ=t, HEAD_DIM=d, GP=gp, DP=dp,
-                  BLOCK_K=launch["block_k"], NUM_SPLITS=splits, QUANTIZED=quantized),
+                  BLOCK_K=launch["block_k"], NUM_SPLITS=splits,
+                  BLOCKS_PER_SPLIT=launch["blocks_per_split"], QUANTIZED=quantized),
         finish=finish,
     )

@@ -158,12 +158,27 @@ def block_sizes(kind: str, head_dim: int, dtype, device: Any = None) -> dict:
     return cfg
 
 
-def num_splits_for(slots: int, kv_heads: int, n_blocks: int, cores: int) -> int:
-    """Split-K count: ~2 waves of programs over `cores` SMs, power of two, <= 64, >= 4 blocks each."""
+BLOCKS_PER_SPLIT = 4  # key blocks per decode split: fixed, so a row's reduction tree never depends on the batch
+MAX_SPLITS = 64
+
+
+def split_plan(n_blocks: int, cores: int, num_splits: int | None = None) -> tuple[int, int]:
+    """(splits, key blocks per split) of a decode launch over a cache of `n_blocks` key blocks.
+
+    Split j always covers key blocks [j * per, (j + 1) * per): the partition of a row's keys, and so the order of
+    its softmax reduction, depends on the key positions only, never on how many rows the step has or how long the
+    cache slice is (issue 43: the old count came from the row count, 1 row -> up to 64 splits, 32 rows -> 2, and
+    the bits changed with the batch). BLOCKS_PER_SPLIT blocks per split, up to MAX_SPLITS splits (beyond
+    MAX_SPLITS * BLOCKS_PER_SPLIT blocks the share grows with the cache: invariant per cache length only); one
+    split where there are no GPU cores (interpret mode). An explicit `num_splits` shares the cache's blocks evenly.
+    """
+    if num_splits:
+        splits = max(1, min(num_splits, n_blocks))
+        return splits, pl.cdiv(n_blocks, splits)
     if cores <= 0:
-        return 1
-    want = next_pow2(pl.cdiv(2 * cores, slots * kv_heads))
-    return max(1, min(want, 64, n_blocks // 4))
+        return 1, n_blocks
+    per = max(BLOCKS_PER_SPLIT, pl.cdiv(n_blocks, MAX_SPLITS))
+    return pl.cdiv(n_blocks, per), per
 
 
 def compiler_params(num_warps: int, num_stages: int):

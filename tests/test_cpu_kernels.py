@@ -1,7 +1,11 @@
-"""pocketjax's CPU kernel (model/cpu_kernels.py, csrc/skinny_matmul.cc): the bf16-weight decode product against the
-float32 product of the same values, in every code path this CPU has; its use in `layers.linear` (single-device
-programs only), in a model's decode, and the fallback when no compiler is found; the build cache."""
+"""pocketjax's native CPU kernels (model/cpu_kernels.py, csrc/): the product of float32 and bf16 weights against the
+float64 product of the same values in every code path this CPU has, and row-count invariant bit for bit; attention
+against the XLA reference for every cache form, and invariant to the batch, the chunk and the cache length; their use
+in `layers.linear` and the engine (single-device programs only); the build: fallback without a compiler, the cache,
+its build key, an unwritable cache."""
 import logging
+import os
+import stat
 
 import jax
 import jax.numpy as jnp
@@ -9,14 +13,17 @@ import numpy as np
 import pytest
 
 import pocketjax as pj
+from pallas_kernels import reference as attention_reference
 from pocketjax.model import cpu_kernels, layers
+from pocketjax.model.kv_cache import quantize
 from pocketjax.model.sharding import make_mesh
 
 from test_engine import run
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.skinny_matmul_available(), reason="no C++ compiler for the kernel")
-ISAS = sorted({cpu_kernels.resolved_isa_name(dt, isa) for dt in (jnp.float32, jnp.bfloat16)
-               for isa in cpu_kernels.ISAS} if cpu_kernels.skinny_matmul_available() else [])
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the kernels")
+ISAS = sorted({cpu_kernels.resolved_isa_name(dt, wt, isa) for dt in (jnp.float32, jnp.bfloat16)
+               for wt in (jnp.float32, jnp.bfloat16) for isa in cpu_kernels.ISAS}
+              if cpu_kernels.available() else [])
 
 
 def reference(x, w):
@@ -25,12 +32,14 @@ def reference(x, w):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
-def test_kernel_matches_the_float_product_at_decode_rows_and_odd_sizes(isa, x_dtype):
+def test_kernel_matches_the_float_product_at_any_rows_and_odd_sizes(isa, x_dtype, w_dtype):
     rng = np.random.default_rng(1)
     product = jax.jit(lambda x, w: cpu_kernels.skinny_matmul(x, w, isa))
-    for rows, k, n in [(1, 37, 51), (2, 64, 33), (3, 1000, 17), (5, 17, 160), (8, 95, 48), (8, 1024, 3), (11, 40, 9)]:
-        w = jnp.asarray(rng.standard_normal((n, k)), jnp.bfloat16)
+    for rows, k, n in [(1, 37, 51), (2, 64, 33), (3, 1000, 17), (5, 17, 160), (8, 95, 48), (8, 1024, 3), (11, 40, 9),
+                       (70, 300, 200)]:
+        w = jnp.asarray(rng.standard_normal((n, k)), w_dtype)
         x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
         got = product(x, w)
         assert got.shape == (rows, n) and got.dtype == x_dtype
@@ -39,6 +48,86 @@ def test_kernel_matches_the_float_product_at_decode_rows_and_odd_sizes(isa, x_dt
         scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(w, np.float64)).T
         tol = scale * 1e-6 + (np.abs(want) * 2.0**-8 if x_dtype == jnp.bfloat16 else 0)
         np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - want), tol + 1e-30)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("w_dtype", [jnp.float32, jnp.bfloat16])
+def test_each_row_of_the_product_is_the_same_bits_at_any_row_count(isa, w_dtype):
+    """Batch invariance at its root: a row's result depends on that row only, not on how many rows share the call
+    (1 row, a decode batch, a prefill chunk of many row blocks)."""
+    rng = np.random.default_rng(6)
+    w = jnp.asarray(rng.standard_normal((200, 333)), w_dtype)
+    x = jnp.asarray(rng.standard_normal((70, 333)), jnp.float32)
+    product = jax.jit(lambda x: cpu_kernels.skinny_matmul(x, w, isa))
+    full = np.asarray(product(x))
+    for start, rows in [(0, 1), (5, 1), (3, 2), (10, 7), (1, 9), (0, 17), (20, 50)]:
+        assert np.array_equal(np.asarray(product(x[start:start + rows])), full[start:start + rows]), (start, rows)
+
+
+CACHE_FORMS = [("float32", jnp.float32), ("bfloat16", jnp.bfloat16), ("int8", jnp.float32),
+               ("float8_e4m3fn", jnp.float32), ("int8", jnp.bfloat16)]
+
+
+def attention_inputs(cache_form, q_dtype, seed=0, slots=4, kv_heads=2, group=3, length=80, head_dim=24):
+    """q [3, 10, heads, D] and a cache (k, v[, k_scale, v_scale]) [slots, kv_heads, length, D] of `cache_form`."""
+    rng = np.random.default_rng(seed)
+    shape = (slots, kv_heads, length, head_dim)
+    k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(2))
+    if cache_form in ("int8", "float8_e4m3fn"):
+        (kq, ks), (vq, vs) = quantize(jnp.asarray(k), cache_form), quantize(jnp.asarray(v), cache_form)
+        cache = (kq, vq, ks, vs)
+    else:
+        cache = (jnp.asarray(k, cache_form), jnp.asarray(v, cache_form))
+    q = jnp.asarray(rng.standard_normal((3, 10, kv_heads * group, head_dim)), q_dtype)
+    return q, cache
+
+
+def native(q, cache, slots, starts, lengths):
+    k, v, *scales = cache
+    return cpu_kernels.attention(q, k, v, slots, starts, lengths, 0.3, *scales)
+
+
+@pytest.mark.parametrize("cache_form,q_dtype", CACHE_FORMS)
+def test_attention_matches_the_reference_on_every_cache_form(cache_form, q_dtype):
+    q, cache = attention_inputs(cache_form, q_dtype)
+    slots, starts, lengths = jnp.array([2, 0, 3]), jnp.array([5, 0, 60]), jnp.array([10, 7, 4])
+    got = np.asarray(native(q, cache, slots, starts, lengths), np.float32)
+    k, v, *scales = cache
+    want = attention_reference.prefill_attention(q, k, v, starts, lengths, sm_scale=0.3, slots=slots,
+                                                 **dict(zip(("k_scale", "v_scale"), scales)))
+    want = np.asarray(want, np.float32)
+    tol = 2.0**-7 if q_dtype == jnp.bfloat16 else 1e-5  # bf16: one rounding of the output apart at most
+    np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max())
+    assert not got[1, 7:].any()  # padding rows are zeros
+
+
+@pytest.mark.parametrize("cache_form,q_dtype", CACHE_FORMS)
+def test_attention_of_a_query_is_the_same_bits_whatever_shares_the_call(cache_form, q_dtype):
+    """A query row's output depends on its position, its query and its keys only: as one decode row, as one row of
+    a prefill chunk beside others, over a cache read to its full length or cut just past the position."""
+    q, cache = attention_inputs(cache_form, q_dtype, seed=1)
+    slots, starts, lengths = jnp.array([2, 0, 3]), jnp.array([5, 0, 60]), jnp.array([10, 7, 4])
+    chunk = np.asarray(native(q, cache, slots, starts, lengths))
+    for row, i in [(0, 0), (0, 3), (1, 6), (2, 3)]:
+        position = int(starts[row]) + i
+        alone = native(q[row:row + 1, i:i + 1], cache, slots[row:row + 1], jnp.array([position]), jnp.array([1]))
+        assert np.array_equal(np.asarray(alone)[0, 0], chunk[row, i]), (row, i)
+        cut = tuple(a[:, :, :position + 1] for a in cache)
+        shorter = native(q[row:row + 1, i:i + 1], cut, slots[row:row + 1], jnp.array([position]), jnp.array([1]))
+        assert np.array_equal(np.asarray(shorter)[0, 0], chunk[row, i]), (row, i)
+
+
+def test_attention_is_differentiable_through_the_reference():
+    q, (k, v) = attention_inputs("float32", jnp.float32, seed=2)
+    slots, starts, lengths = jnp.array([2, 0, 3]), jnp.array([5, 0, 60]), jnp.array([10, 7, 4])
+
+    def loss(q, attend):
+        return (attend(q) ** 2).sum()
+
+    got = jax.grad(loss)(q, lambda q: native(q, (k, v), slots, starts, lengths))
+    want = jax.grad(loss)(q, lambda q: attention_reference.prefill_attention(q, k, v, starts, lengths, sm_scale=0.3,
+                                                                             slots=slots))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_kernel_is_differentiable_and_vmaps():
@@ -52,49 +141,39 @@ def test_kernel_is_differentiable_and_vmaps():
     np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
-def test_linear_uses_the_kernel_on_one_device_and_xla_on_a_mesh(rows):
-    w = jnp.asarray(np.random.default_rng(3).standard_normal((64, 32)), jnp.bfloat16)
-    x = jnp.ones((rows, 32), jnp.bfloat16)
-    text = jax.jit(layers.linear).lower(x, w).as_text()
-    assert (cpu_kernels.TARGET in text) == (rows <= layers.KERNEL_ROWS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+def test_linear_uses_the_kernel_on_one_device_and_xla_on_a_mesh(rows, dtype):
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((64, 32)), dtype)
+    x = jnp.ones((rows, 32), dtype)
+    assert cpu_kernels.TARGET in jax.jit(layers.linear).lower(x, w).as_text()  # every row count
+    with layers.native_forms(False):  # batch_invariant=False: XLA's forms (bf16: the kernel at 1 row only); a new
+        text = jax.jit(lambda x, w: layers.linear(x, w)).lower(x, w).as_text()  # function: jit caches by function
+    assert (cpu_kernels.TARGET in text) == (dtype == jnp.bfloat16 and rows <= layers.KERNEL_ROWS)
     mesh = make_mesh(2)
     sharded = jax.device_put(w, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp", None)))
     assert cpu_kernels.TARGET not in jax.jit(layers.linear).lower(x, sharded).as_text()  # XLA cannot split it
 
 
-def test_bf16_model_greedy_decode_with_the_kernel_matches_xla_form_and_tp2(hf_checkpoint, monkeypatch):
+def test_bf16_engine_runs_the_kernels_and_decodes_as_xla_forms_and_tp2(hf_checkpoint):
+    """The bf16 engine's decode steps (2 rows) run the native kernels (both custom calls are in the compiled step),
+    and greedy decode agrees with XLA's forms and with TP2 (the same bf16 weights; f32 summation orders differ)."""
     folder = hf_checkpoint("qwen3_gqa4_headdim", dtype="bfloat16")
     prompt = [int(t) for t in np.random.default_rng(4).integers(0, 301, 9)]
     greedy = pj.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
-    def decode(tp=1):
-        engine = pj.Engine(pj.load_model(folder, dtype="bfloat16", tp=tp), max_batch_size=2, max_seq_len=64)
-        return [r.generated_tokens for r in run(engine, [prompt, prompt[::-1]], greedy)]
+    def decode(tp=1, batch_invariant=True):
+        engine = pj.Engine(pj.load_model(folder, dtype="bfloat16", tp=tp), max_batch_size=2, max_seq_len=64,
+                           batch_invariant=batch_invariant)
+        tokens = [r.generated_tokens for r in run(engine, [prompt, prompt[::-1]], greedy)]
+        return engine, tokens
 
-    with_kernel = decode()
-    tp2 = decode(tp=2)  # on a mesh: XLA's form, partitioned
-    monkeypatch.setattr(cpu_kernels, "skinny_matmul_available", lambda: False)
-    assert with_kernel == decode() == tp2  # the same bf16 weights: the forms differ in f32 summation order only
-
-
-@pytest.mark.parametrize("batch", [1, 2])
-def test_decode_shaped_logits_with_the_kernel_equal_xla_forms(hf_checkpoint, monkeypatch, batch):
-    from pocketjax.model import decoder
-
-    model = pj.load_model(hf_checkpoint("qwen3_gqa4_headdim", dtype="bfloat16"), dtype="bfloat16")
-    tokens = jnp.asarray([[3], [250]][:batch])  # one token per row: every linear has `batch` rows
-
-    def step(p, t):
-        return decoder.forward_logits(p, model.config, t)
-
-    assert (cpu_kernels.TARGET in jax.jit(step).lower(model.params, tokens).as_text()) == (batch <= layers.KERNEL_ROWS)
-    with_kernel = np.asarray(jax.jit(step)(model.params, tokens), np.float32)
-    monkeypatch.setattr(cpu_kernels, "skinny_matmul_available", lambda: False)
-    xla = np.asarray(jax.jit(step)(model.params, tokens), np.float32)
-    # each product differs in f32 summation order only; its bf16 result can round one bf16 step apart, and that
-    # carries through the layers: the logits agree to a few bf16 steps of their scale
-    np.testing.assert_allclose(with_kernel, xla, atol=4 * 2.0**-8 * np.abs(xla).max())
+    engine, native_tokens = decode()
+    assert engine.impl == "cpu"
+    from pocketjax.engine.plan import Signature
+    text = engine.lower(Signature("decode", 2, kv_len=64)).as_text()
+    assert cpu_kernels.TARGET in text and cpu_kernels.ATTENTION_TARGET in text
+    assert native_tokens == decode(batch_invariant=False)[1] == decode(tp=2)[1]
 
 
 def test_no_compiler_falls_back_to_xla_form(monkeypatch, tmp_path, caplog):
@@ -102,11 +181,12 @@ def test_no_compiler_falls_back_to_xla_form(monkeypatch, tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="pocketjax"):
         assert cpu_kernels.build(directory=tmp_path) is None
     assert "no C++ compiler" in caplog.text and not list(tmp_path.iterdir())
-    monkeypatch.setattr(cpu_kernels, "skinny_matmul_available", lambda: False)
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     w = jnp.asarray(np.random.default_rng(5).standard_normal((16, 8)), jnp.bfloat16)
     x = jnp.ones((1, 8), jnp.bfloat16)
     assert cpu_kernels.TARGET not in jax.jit(layers.linear).lower(x, w).as_text()
     np.testing.assert_allclose(np.asarray(layers.linear(x, w), np.float32), reference(x, w), rtol=2**-7)
+    assert layers.resolve_impl("auto") == "xla"
 
 
 def test_a_failed_build_logs_and_returns_none(tmp_path, caplog):
@@ -127,8 +207,45 @@ def test_cache_hit_does_not_rebuild(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]  # built under a temp name, renamed
 
 
-def test_the_env_switch_turns_the_kernel_off(monkeypatch):
+def test_a_cached_file_without_its_build_key_is_rebuilt_not_loaded(tmp_path, caplog):
+    lib = cpu_kernels.build(directory=tmp_path)
+    lib.write_bytes(b"\x7fELF not the library these sources build")  # stale, foreign or corrupt, same name
+    with caplog.at_level(logging.WARNING, logger="pocketjax"):
+        assert cpu_kernels.build(directory=tmp_path) == lib
+    assert "does not carry its build key" in caplog.text
+    assert cpu_kernels.carries_key(lib, lib.stem.rsplit("-", 1)[1])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_an_unwritable_cache_logs_and_falls_back(tmp_path, caplog):
+    tmp_path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        with caplog.at_level(logging.WARNING, logger="pocketjax"):
+            assert cpu_kernels.build(directory=tmp_path / "kernels") is None
+    finally:
+        tmp_path.chmod(stat.S_IRWXU)
+    assert "cannot build" in caplog.text
+
+
+def test_an_unusable_cache_folder_logs_and_falls_back(tmp_path, caplog):
+    """A cache path that cannot be a folder (a file is in the way; as for a read-only cache, run as root here)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger="pocketjax"):
+        assert cpu_kernels.build(directory=blocker / "kernels") is None
+    assert "cannot build" in caplog.text
+
+
+def test_no_home_directory_builds_in_a_private_folder(monkeypatch):
+    for name in ("POCKETJAX_KERNEL_CACHE", "XDG_CACHE_HOME", "HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cpu_kernels.Path, "home", classmethod(lambda cls: (_ for _ in ()).throw(RuntimeError("no home"))))
+    folder = cpu_kernels.cache_dir()
+    assert folder.is_dir() and os.access(folder, os.W_OK)
+
+
+def test_the_env_switch_turns_the_kernels_off(monkeypatch):
     w, x = jnp.ones((16, 8), jnp.bfloat16), jnp.ones((1, 8), jnp.bfloat16)
     monkeypatch.setenv("POCKETJAX_CPU_KERNELS", "off")
-    assert not cpu_kernels.skinny_matmul_available()
+    assert not cpu_kernels.available()
     assert cpu_kernels.TARGET not in jax.jit(layers.linear).lower(x, w).as_text()

@@ -1,5 +1,5 @@
-"""pj.logits(return_hidden=True) and hook=: hidden states and residual-stream patching against transformers, in the
-unrolled and the scan layout."""
+"""pj.logits(return_hidden=True) and hook=: hidden states and residual-stream patching against transformers (hidden
+states against tests/numpy_qwen.py's float64 forward too, which needs no torch), in the unrolled and the scan layout."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,6 +9,7 @@ import pocketjax as pj
 from pocketjax.errors import RequestError
 from pocketjax.model import layers
 
+import numpy_qwen
 from conftest import oracle
 
 torch = oracle("torch")
@@ -20,14 +21,19 @@ PATCHED_LAYER = 1
 
 @pytest.fixture(scope="module")
 def models(hf_checkpoint):
-    folder = hf_checkpoint(NAME)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return hf, {scan: pj.load_model(folder, scan_layers=scan) for scan in (False, True)}
+    """scan_layers -> pocketjax's model; torch-free, so the tests that need no reference run in CI's second leg."""
+    return {scan: pj.load_model(hf_checkpoint(NAME), scan_layers=scan) for scan in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def hf(hf_checkpoint):
+    """transformers' float32 model of the same checkpoint: the reference (skips where transformers is absent)."""
+    return transformers.AutoModelForCausalLM.from_pretrained(hf_checkpoint(NAME), dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def tokens(models):
-    return np.random.default_rng(5).integers(0, models[1][False].config.vocab_size, (2, 13))
+    return np.random.default_rng(5).integers(0, models[False].config.vocab_size, (2, 13))
 
 
 def rel_err(a, b) -> float:
@@ -43,9 +49,8 @@ def add_at(layer_index: int, vector):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
-def test_hidden_states_match_transformers(models, tokens, scan):
-    hf, ours = models
-    model = ours[scan]
+def test_hidden_states_match_transformers(hf, models, tokens, scan):
+    model = models[scan]
     logits, hidden = pj.logits(model, tokens, return_hidden=True)
     c = model.config
     assert hidden.shape == (c.num_layers + 1, 2, 13, c.hidden_size) and hidden.dtype == jnp.float32
@@ -63,9 +68,19 @@ def test_hidden_states_match_transformers(models, tokens, scan):
 
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
-def test_hook_adding_a_vector_equals_transformers_forward_hook(models, tokens, scan):
-    hf, ours = models
-    model = ours[scan]
+def test_hidden_states_match_numpy_reference(hf_checkpoint, models, tokens, scan):
+    """Every entry of return_hidden (the embedding, each layer's output, all before the final norm) against the
+    float64 NumPy forward, which needs no torch; the same 1e-5 bound as against transformers."""
+    _, ref = numpy_qwen.forward(hf_checkpoint(NAME), tokens)
+    _, hidden = pj.logits(models[scan], tokens, return_hidden=True)
+    assert hidden.shape == ref.shape
+    for i in range(len(ref)):
+        assert rel_err(hidden[i], ref[i]) <= 1e-5, (i, rel_err(hidden[i], ref[i]))
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
+def test_hook_adding_a_vector_equals_transformers_forward_hook(hf, models, tokens, scan):
+    model = models[scan]
     vector = np.random.default_rng(6).normal(0, 0.5, model.config.hidden_size).astype(np.float32)
     patched, hidden = pj.logits(model, tokens, hook=add_at(PATCHED_LAYER, vector), return_hidden=True)
 
@@ -90,7 +105,7 @@ def test_hook_adding_a_vector_equals_transformers_forward_hook(models, tokens, s
 
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scan"])
 def test_identity_hook_leaves_logits_unchanged_and_hooks_jit(models, tokens, scan):
-    model = models[1][scan]
+    model = models[scan]
     seen = []
 
     def identity(layer, hidden):
@@ -113,4 +128,4 @@ def test_identity_hook_leaves_logits_unchanged_and_hooks_jit(models, tokens, sca
 
 def test_hook_must_be_callable(models, tokens):
     with pytest.raises(RequestError, match="hook"):
-        pj.logits(models[1][False], tokens, hook=3)
+        pj.logits(models[False], tokens, hook=3)

@@ -286,13 +286,35 @@ def test_resolve_impl(caplog):
         resolve_impl("flash")
 
 
-def test_num_splits_heuristic():
-    # One slot, long cache on a 132-SM GPU: many splits; many slots or short caches: few.
+def test_split_plan_is_a_fixed_number_of_key_blocks_per_split():
+    # 132-SM GPU: 4 key blocks per split whatever the rows (the plan does not even take them), up to 64 splits
     assert tuning.next_pow2(7) == 8
-    assert tuning.num_splits_for(1, 8, 256, 132) == 64
-    assert tuning.num_splits_for(32, 8, 256, 132) == 2
-    assert tuning.num_splits_for(1, 8, 8, 132) == 2
-    assert tuning.num_splits_for(4, 8, 256, 0) == 1
+    assert tuning.split_plan(256, 132) == (64, 4)
+    assert tuning.split_plan(8, 132) == (2, 4)
+    assert tuning.split_plan(10, 132) == (3, 4)  # the last split is partial; a row's blocks keep their split
+    assert tuning.split_plan(1024, 132) == (64, 16)  # past 64 x 4 blocks the share grows with the cache
+    assert tuning.split_plan(256, 0) == (1, 256)  # interpret mode: one split
+    assert tuning.split_plan(10, 132, num_splits=3) == (3, 4)  # an explicit count shares the blocks evenly
+
+
+def test_decode_kernel_gives_a_row_the_same_bits_at_1_and_32_rows_and_any_cache_length(monkeypatch):
+    """The split-K decode kernel (interpret mode, the GPU's split plan of a 132-SM device) computes a row the same
+    way whatever the batch and whatever the length bucket of the cache slice it reads (issue 43)."""
+    monkeypatch.setattr(tuning, "num_cores", lambda target=None: 132)
+    rng = np.random.default_rng(9)
+    rows, kv_heads, group, t, d = 32, 2, 2, 256, 32
+    q = jnp.asarray(rng.standard_normal((rows, kv_heads * group, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((rows, kv_heads, t, d)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray(rng.integers(1, 120, rows), jnp.int32)
+    decode = functools.partial(pallas_kernels.decode_attention, block_k=16, interpret=True)
+    full = np.asarray(decode(q, k, v, lengths))  # 16 blocks: 4 splits of 4 blocks
+    want = np.asarray(reference.decode_attention(q, k, v, lengths))
+    np.testing.assert_allclose(full, want, atol=2e-5)
+    for row in (0, 7, 31):
+        alone = decode(q[row:row + 1], k, v, lengths[row:row + 1], slots=jnp.array([row]))
+        assert np.array_equal(np.asarray(alone)[0], full[row]), row
+        sliced = decode(q[row:row + 1], k[:, :, :128], v[:, :, :128], lengths[row:row + 1], slots=jnp.array([row]))
+        assert np.array_equal(np.asarray(sliced)[0], full[row]), row  # 8 blocks: 2 splits, same partition
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])

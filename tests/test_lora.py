@@ -124,8 +124,17 @@ def test_merge_into_quantized_weight_is_refused(hf_checkpoint):
         view.to_model()
 
 
-def test_bad_adapters_raise_typed_errors(peft_adapters, hf_checkpoint, tmp_path):
-    folder, adapter_dir, *_ = peft_adapters["qv_down"]
+@pytest.fixture(scope="module")
+def our_adapter(hf_checkpoint, tmp_path_factory):
+    """(checkpoint folder, an adapter folder for it that write_adapter saved): torch-free, unlike peft_adapters, so
+    the error tests that need an adapter but no reference run in CI's second leg too."""
+    folder = hf_checkpoint("qwen3_gqa4_headdim")
+    view = Decoder(pj.load_model(folder), LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "down")))
+    return folder, write_adapter(tmp_path_factory.mktemp("ours_qv_down"), view.adapter(), base_model=str(folder))
+
+
+def test_bad_adapters_raise_typed_errors(our_adapter, hf_checkpoint, tmp_path):
+    folder, adapter_dir = our_adapter
     with pytest.raises(CheckpointError, match="not a PEFT adapter"):
         pj.load_model(folder, lora=tmp_path)
     (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8,

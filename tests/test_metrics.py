@@ -1,6 +1,7 @@
 """GET /metrics scraped while requests run and after: gauges, token counters, histograms, HTTP statuses, all
-checked against what the test sent and what the server answered (usage), parsed with prometheus-client's own
-text parser."""
+checked against what the client observed (the token ids it sent, the tokens and finish reasons it received, the
+HTTP statuses it got), parsed with prometheus-client's own text parser."""
+import collections
 import json
 import threading
 import time
@@ -52,7 +53,8 @@ def wait_until(condition, timeout: float = 60.0) -> bool:
 
 def test_metrics_count_what_was_sent(llm):
     """Six streamed requests on four slots, each engine step slowed to 30 ms: the scrape sees four running and two
-    waiting; afterwards the counters equal the usage the server reported."""
+    waiting; afterwards the counters equal what the client sent (prompts of token ids, 4-14 long) and received
+    (tokens counted by their streamed logprobs, each choice's finish reason)."""
     sched = llm.scheduler
     step = sched.step
 
@@ -62,15 +64,19 @@ def test_metrics_count_what_was_sent(llm):
 
     with BackgroundServer(create_app(llm)) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        prompts = [f"def f{i}(x):" for i in range(6)]
-        usages, errors = [], []
+        prompts = [[100 + i] + list(range(200, 203 + 2 * i)) for i in range(6)]  # 4, 6, ..., 14 tokens
+        usages, received, reasons, errors = [], [], [], []
 
         def run(prompt):
             try:
                 stream = client.completions.create(model=NAME, prompt=prompt, max_tokens=40, temperature=0,
-                                                   stream=True, stream_options={"include_usage": True},
+                                                   logprobs=1, stream=True, stream_options={"include_usage": True},
                                                    extra_body={"ignore_eos": True})
-                usages.append([c for c in stream if c.usage is not None][-1].usage)
+                chunks = list(stream)
+                received.append(sum(len(c.choices[0].logprobs.token_logprobs) for c in chunks
+                                    if c.choices and c.choices[0].logprobs))  # one entry per token
+                reasons.extend(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+                usages.append(chunks[-1].usage)
             except Exception as error:  # noqa: BLE001 - reported below
                 errors.append(error)
 
@@ -88,7 +94,7 @@ def test_metrics_count_what_was_sent(llm):
                 t.join(120)
         finally:
             del sched.step
-        assert not errors and len(usages) == 6
+        assert not errors and len(received) == 6
         # one refused request, counted by status
         request = urllib.request.Request(server.url + "/v1/completions", data=json.dumps({"prompt": []}).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -99,15 +105,20 @@ def test_metrics_count_what_was_sent(llm):
         assert wait_until(lambda: llm.engine.num_free_slots == SLOTS)
         done = scrape(server.url)
     assert done[("vllm:num_requests_running", ())] == 0 and done[("vllm:num_requests_waiting", ())] == 0
-    assert done[("vllm:prompt_tokens_total", ())] == sum(u.prompt_tokens for u in usages)
-    assert done[("vllm:generation_tokens_total", ())] == sum(u.completion_tokens for u in usages) == 6 * 40
-    assert done[("vllm:prefix_cache_queries_total", ())] == sum(u.prompt_tokens for u in usages)
-    assert 0 <= done[("vllm:prefix_cache_hits_total", ())] < done[("vllm:prefix_cache_queries_total", ())]
-    assert done[("vllm:request_success_total", (("finished_reason", "length"),))] == 6
+    sent = sum(map(len, prompts))
+    assert done[("vllm:prompt_tokens_total", ())] == sent == sum(u.prompt_tokens for u in usages)
+    assert done[("vllm:generation_tokens_total", ())] == sum(received) == 6 * 40
+    assert done[("vllm:prefix_cache_queries_total", ())] == sent
+    assert 0 <= done[("vllm:prefix_cache_hits_total", ())] < sent
+    observed = collections.Counter(reasons)  # the client's view, mapped to vLLM's labels as the docstring says
+    assert observed == {"length": 6}
+    for reason in ("stop", "length", "abort", "error"):
+        assert done[("vllm:request_success_total", (("finished_reason", reason),))] == observed[reason], reason
     for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
                  "vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
-        assert done[(name + "_count", ())] == 6, name
-    assert done[("vllm:request_generation_tokens_sum", ())] == 6 * 40
+        assert done[(name + "_count", ())] == len(prompts), name
+    assert done[("vllm:request_prompt_tokens_sum", ())] == sent
+    assert done[("vllm:request_generation_tokens_sum", ())] == sum(received)
     assert 6 <= done[("vllm:inter_token_latency_seconds_count", ())] <= 6 * 39  # a sample per later delivery
     # slowed steps: every inter-token gap is at least one 30 ms step, so their mean is too
     assert done[("vllm:inter_token_latency_seconds_sum", ())] / done[("vllm:inter_token_latency_seconds_count", ())] \
@@ -120,27 +131,26 @@ def test_metrics_count_what_was_sent(llm):
     assert http[(("handler", "other"), ("method", "GET"), ("status", "404"))] == 1
 
 
-def test_prefix_cache_hits_are_the_engines(llm):
-    """The same prompt twice in a row: the second finds its prefix cached, and the counter adds exactly what the
-    engine reported for it (the handle's cached_prefix_len)."""
-    handles, submit = [], llm.scheduler.submit
-
-    def recorded(*args, **kwargs):
-        handles.append(submit(*args, **kwargs))
-        return handles[-1]
-
-    llm.scheduler.submit = recorded
-    try:
-        with BackgroundServer(create_app(llm)) as server:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            prompt = "import numpy as np\nimport jax\n\ndef main():"
-            for _ in range(2):
-                client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
-            done = scrape(server.url)
-    finally:
-        del llm.scheduler.submit
-    assert handles[1].cached_prefix_len > 0
-    assert done[("vllm:prefix_cache_hits_total", ())] == sum(h.cached_prefix_len for h in handles)
+def test_prefix_cache_hits_follow_the_prompts_sent(llm):
+    """Three prompts of token ids, one after another: A (20 tokens), A again, then B (A's first 12 and 8 others). A
+    freed slot keeps its tokens, and a prompt's last token always runs (it yields the first token's logits), so the
+    cache holds none of the first A (no slot starts with its first token), 19 tokens of the second, 12 of B: each
+    request adds exactly that to the hits and its length to the queries, scraped after each."""
+    a = list(range(3000, 3020))  # the other prompts in this file start with tokens 100-105
+    b = a[:12] + list(range(3100, 3108))
+    with BackgroundServer(create_app(llm)) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        before = scrape(server.url)
+        hits, queries = [], []
+        for prompt in (a, a, b):
+            client.completions.create(model=NAME, prompt=prompt, max_tokens=2, temperature=0)
+            after = scrape(server.url)
+            hits.append(after[("vllm:prefix_cache_hits_total", ())] - before[("vllm:prefix_cache_hits_total", ())])
+            queries.append(after[("vllm:prefix_cache_queries_total", ())] -
+                           before[("vllm:prefix_cache_queries_total", ())])
+            before = after
+    assert hits == [0, len(a) - 1, 12]
+    assert queries == [len(a), len(a), len(b)]
 
 
 def test_an_observer_attached_late_misses_nothing():

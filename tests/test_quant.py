@@ -340,31 +340,49 @@ def rounded_weights(model: pj.Model) -> pj.Model:
     return dataclasses.replace(model, params=quant.dequantize_params(model.params, model.dtype))
 
 
+def position_errors(logits, ref) -> np.ndarray:
+    """Each position's largest logit error against `ref`, relative to ref's largest logit."""
+    return (np.abs(logits - ref).max(axis=-1) / np.abs(ref).max()).ravel()
+
+
+# The activations' own share of int8's logit error: the median position's error against the model of the rounded
+# weights alone (same weights, float activations), relative to the largest logit. Two digits lose at most half a
+# step of absmax / 127 / 254 per row, one digit (W8A8) 254x more, and the logits show that ratio: measured on this
+# checkpoint (seeds 0-2 of the builder), two digits 0.6-0.7e-4 / 2-4e-4 / 2-3e-4 at x1 / x30 / x300, one digit
+# 0.015-0.018 / 0.048-0.088 / 0.043-0.063. The bound sits 5x above the first and 7x below the second.
+ACTIVATION_BOUND = 2e-3
+
+
 @pytest.mark.parametrize("factor", [1, 30, 300])
-def test_int8_logits_with_outlier_channels_within_twice_the_weight_rounding(hf_checkpoint, tmp_path, factor,
-                                                                            monkeypatch):
+def test_int8_activations_add_little_to_the_weight_rounding_with_outlier_channels(hf_checkpoint, tmp_path, factor,
+                                                                                   monkeypatch):
     """A random Qwen2 with two channels planted `factor` x larger through every RMSNorm weight (the massive
-    activations of real checkpoints): int8's logit error (vs the float model, relative to the largest logit) is
-    within 2x that of the model of the rounded weights alone, at prefill and decode row counts; with one activation
-    digit per row (int8 as first landed) it is not at x30."""
+    activations of real checkpoints), at prefill and decode row counts: the int8 activations add at most
+    ACTIVATION_BOUND to the logits of the model of the rounded weights alone at the median position, where one
+    activation digit per row (int8 as first landed) adds more at every factor; and at x1 / x30 int8's logit error
+    against the float model is within 2x the rounded weights' own, which one digit is not at x30."""
     from benchmarks.presets import plant_outliers
     folder = plant_outliers(hf_checkpoint("qwen2_mha_untied", **OUTLIER_MODEL), tmp_path / "planted", factor)
     float_model, int8 = pj.load_model(folder), pj.load_model(folder, quantize="int8")
     rounded = rounded_weights(int8)
     old_ratios = []  # one digit's error / the rounded weights', per row count
     for tokens in (PREFILL_TOKENS, DECODE_TOKENS):
-        ref = np.asarray(pj.logits(float_model, tokens))
-        weight_only = rel_err(np.asarray(pj.logits(rounded, tokens)), ref)
-        ours = rel_err(np.asarray(pj.logits(int8, tokens)), ref)
-        assert ours <= 2 * weight_only, (tokens.shape, ours, weight_only)
-        if factor == 30:
-            with monkeypatch.context() as m:
-                m.setattr(quant, "activation_digits", one_digit)
-                jax.clear_caches()  # the forward is jitted: trace it again with the one-digit activations
-                w8a8 = rel_err(np.asarray(pj.logits(int8, tokens)), ref)
-            jax.clear_caches()
-            old_ratios.append(w8a8 / weight_only)
-    # The bound fails on the old form at x30 (ratios 1.9 at prefill, 6.7 at decode rows on the numpy-built
-    # checkpoint). At x300 these random weights' own rounding already costs ~0.8 of the largest logit, so no form can
-    # be told from another there: only the bound itself is checked.
+        ref, weight_only = np.asarray(pj.logits(float_model, tokens)), np.asarray(pj.logits(rounded, tokens))
+        ours = np.asarray(pj.logits(int8, tokens))
+        with monkeypatch.context() as m:
+            m.setattr(quant, "activation_digits", one_digit)
+            jax.clear_caches()  # the forward is jitted: trace it again with the one-digit activations
+            w8a8 = np.asarray(pj.logits(int8, tokens))
+        jax.clear_caches()
+        # The median, not the largest: at x300 the q/k inputs carry the outliers, attention saturates, and a near-tie
+        # at a few positions flips under any change to the activations (seed 0: one of 120 prefill positions off
+        # by 0.23 of the largest logit with two digits, the next 0.005).
+        activation = np.median(position_errors(ours, weight_only))
+        assert activation <= ACTIVATION_BOUND, (tokens.shape, activation)
+        assert np.median(position_errors(w8a8, weight_only)) > ACTIVATION_BOUND, tokens.shape
+        if factor < 300:  # at x300 these random weights' own rounding costs ~0.8 of the largest logit: no bound there
+            assert rel_err(ours, ref) <= 2 * rel_err(weight_only, ref), tokens.shape
+            old_ratios.append(rel_err(w8a8, ref) / rel_err(weight_only, ref))
+    # The float bound fails on the old form at x30 (ratios 1.9 at prefill, 6.7 at decode rows on the numpy-built
+    # checkpoint).
     assert factor != 30 or max(old_ratios) > 2, old_ratios

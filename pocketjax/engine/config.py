@@ -27,6 +27,7 @@ ENVIRONMENT = {  # field -> variable
     "attention_impl": "POCKETJAX_ATTENTION_IMPL",
     "kv_dtype": "POCKETJAX_KV_DTYPE",
     "compile_cache_dir": "POCKETJAX_COMPILE_CACHE_DIR",
+    "batch_invariant": "POCKETJAX_BATCH_INVARIANT",
 }
 OFF = "off"  # compile_cache_dir (or POCKETJAX_COMPILE_CACHE_DIR) that keeps compiled programs in this process only
 log = logging.getLogger("pocketjax")
@@ -102,6 +103,9 @@ class EngineConfig:
     compile_cache_dir: str | None = None
     # speculative decoding: None (off), or a SpeculativeConfig / a dict of its fields / that dict as JSON
     speculative: SpeculativeConfig | None = None
+    # On the CPU, pocketjax's native kernels (products, attention) so that a request's bits never depend on its
+    # batch (README "Guarantees"); False: XLA's forms (today's speed at some batch sizes, no such guarantee)
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
@@ -135,8 +139,12 @@ class EngineConfig:
                 continue
             try:
                 values[name] = int(text) if types[name] == "int" else text
-            except ValueError:
-                raise ConfigError(f"environment variable {variable}={text!r} is not an integer") from None
+                if types[name] == "bool":
+                    values[name] = {"1": True, "true": True, "on": True, "0": False, "false": False,
+                                    "off": False}[text.lower()]
+            except (ValueError, KeyError):
+                kind = "a boolean (1/0, true/false, on/off)" if types[name] == "bool" else "an integer"
+                raise ConfigError(f"environment variable {variable}={text!r} is not {kind}") from None
             try:
                 cls(**{name: values[name]}).validate()
             except ConfigError as error:
@@ -151,6 +159,8 @@ class EngineConfig:
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(f"attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {self.attention_impl!r}")
         check_kv_dtype(self.kv_dtype)
+        if not isinstance(self.batch_invariant, bool):
+            raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         folder = self.compile_cache_dir
         if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder).strip()):
             raise ConfigError(f"compile_cache_dir must be a folder path or {OFF!r}, got {folder!r}")

@@ -131,7 +131,8 @@ class Engine:
         self.config = EngineConfig.of(config, **options)
         if self.config.compile_cache_dir not in (None, OFF):  # asked for: process-wide, as JAX's cache is
             use_compile_cache(self.config.compile_cache_dir)
-        self.impl = resolve_impl(self.config.attention_impl, self.config.kv_dtype)
+        self.impl = resolve_impl(self.config.attention_impl, self.config.kv_dtype,
+                                 batch_invariant=self.config.batch_invariant)
         self.eos_ids = read_eos_ids(model)
         self.rng = np.random.default_rng(seed)
         self.cache: KVCache | None = None

@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 
 from ..errors import SamplingError
+from ..model.numerics import fixed_logsumexp, fixed_sum, opaque
 from .structured import Structured, as_structured
 
 MAX_LOGPROBS = 20  # most top-n logprobs a request may ask for (OpenAI's limit)
@@ -226,7 +227,8 @@ def apply_penalties(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.
     rp = arrays.repetition_penalty[:, None]
     seen = prompt_mask | (output_counts > 0)
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
-    return logits - arrays.presence_penalty[:, None] * (counts > 0) - arrays.frequency_penalty[:, None] * counts
+    presence = opaque(arrays.presence_penalty[:, None] * (counts > 0))  # products never contracted into the
+    return logits - presence - opaque(arrays.frequency_penalty[:, None] * counts)  # sums (numerics.opaque)
 
 
 def any_penalized(arrays: SamplingArrays) -> jax.Array:
@@ -285,7 +287,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> Sample
 
     Shared by the sampler (one row per slot) and the prompt scorer (one row per prompt position).
     """
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = fixed_logsumexp(logits)  # fixed order: a row's logprobs never depend on its batch
     logprobs = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - lse
     if num_top:
         top_values, top_ids = _top_k(logits, num_top)
@@ -347,8 +349,8 @@ def _candidate_cut(s: jax.Array, top_k: jax.Array, arrays: SamplingArrays, width
     k_inside = (top_k > 0) & k_known & ((values[:, -1] < tau_k) if has_outside else True)
     in_k = weights * (values >= tau_k[:, None])
     # top_p renormalizes over the top-k set; without top_k that is the whole vocabulary.
-    full_mass = jnp.sum(jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)), axis=-1)
-    mass = jnp.where(k_inside, jnp.sum(in_k, axis=-1), full_mass)
+    full_mass = fixed_sum(jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)))
+    mass = jnp.where(k_inside, fixed_sum(in_k), full_mass)
     before = jnp.cumsum(in_k, axis=-1) - in_k  # mass strictly above each candidate
     n_p = jnp.maximum(jnp.sum(before < (arrays.top_p * mass)[:, None], axis=-1), 1)
     nucleus_on = arrays.top_p < 1
@@ -405,7 +407,7 @@ def _exact_thresholds(s: jax.Array, top_k: jax.Array, top_p: jax.Array, tau_k: j
     # The survivors' weights order tokens as their logits do, so the mass phase bisects the weights themselves and
     # each pass reads one array (measured 2x faster than logit keys plus weights).
     weights = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)) * (s >= tau_k[:, None])
-    found = _bisect(weights, top_p * jnp.sum(weights, axis=-1), by_mass, counting=False)
+    found = _bisect(weights, top_p * fixed_sum(weights), by_mass, counting=False)
     nucleus = jnp.min(jnp.where(weights >= found[:, None], s, jnp.inf), axis=-1)  # as a logit threshold
     return tau_k, jnp.where(by_mass, nucleus, -jnp.inf)
 
@@ -452,7 +454,8 @@ def _bisect(values: jax.Array, target: jax.Array, active: jax.Array, *, counting
         open_ = hi - lo > 1
         mid = lo + (hi - lo) // 2
         kept = values >= _unsortable(mid)[:, None]
-        mass = jnp.sum(jnp.where(kept, 1.0 if counting else values, 0.0), axis=-1)
+        # counts are exact in any order; a mass is summed in a fixed order (batch invariance)
+        mass = (jnp.sum if counting else fixed_sum)(jnp.where(kept, 1.0 if counting else values, 0.0), axis=-1)
         ok = mass >= target
         return jnp.where(open_ & ok, mid, lo), jnp.where(open_ & ~ok, mid, hi)
 

@@ -1,17 +1,22 @@
-"""A hand-written CPU kernel behind `jax.ffi`: the bfloat16-weight decode product, compiled at first use.
+"""pocketjax's optional native CPU kernels behind `jax.ffi`, compiled at first use with the system C++ compiler:
+the product of every float weight (`skinny_matmul`, csrc/skinny_matmul.cc) and attention over the slotted cache
+(`attention`, csrc/attention.cc).
 
-XLA:CPU has no bf16 product form that streams a bf16 weight at the memory's bandwidth at 1-8 rows (its best reads
-10-21 GB/s where float32 reads 23-35; benchmarks/README.md), so a bf16 decode step, half float32's bytes, was no
-faster than float32. csrc/skinny_matmul.cc reads each weight row once for all rows, bf16 -> f32 by a shift, f32
-FMAs (AVX-512 or AVX2 chosen at run time, a portable loop elsewhere), split over XLA's intra-op thread pool.
+Why native code in a pure-JAX library: (1) batch invariance (issue 43): XLA:CPU chooses its dot and reduction
+algorithms, and so their summation order, from the shapes it sees (1 row vs 2, a prefill chunk vs a decode batch,
+the kv-length bucket), so a request's logprobs changed with the requests beside it; both kernels compute every
+output element by one fixed sequence of operations whatever the batch. (2) Speed: XLA:CPU has no bf16 product form
+that streams a bf16 weight at the memory's bandwidth at 1-8 rows.
 
-pocketjax is pure Python, so there is no install-time build: the first call compiles the source with the system C++
-compiler into a cache directory (POCKETJAX_KERNEL_CACHE, else $XDG_CACHE_HOME/pocketjax/kernels, else
-~/.cache/pocketjax/kernels), one file per hash of (source, flags, compiler version, jaxlib version, CPU flags), built
-under a temporary name and renamed into place so concurrent processes never load a half-written library. No
-compiler (POCKETJAX_CXX, else CXX, else c++ / g++ / clang++ on PATH; POCKETJAX_CXX=none disables the kernel) or a
-failed build logs once and `skinny_matmul_available()` is False: callers keep XLA's form (as with
-POCKETJAX_CPU_KERNELS=off).
+pocketjax is pure Python, so there is no install-time build: `ensure_built()` (called when an Engine is made, outside
+any jit trace, with a log line) compiles both sources into one library in a cache directory (POCKETJAX_KERNEL_CACHE,
+else $XDG_CACHE_HOME/pocketjax/kernels, else ~/.cache/pocketjax/kernels, else a private temporary directory), named by
+a hash of (sources, flags, compiler version, jaxlib version, CPU flags); built under a temporary name and renamed into
+place, so concurrent processes never load a half-written library; a cached file is loaded only if it carries that
+hash in its bytes (`pocketjax_build_key`). No compiler (POCKETJAX_CXX, else CXX, else c++ / g++ / clang++ on PATH;
+POCKETJAX_CXX=none), a failed build, an unwritable cache or POCKETJAX_CPU_KERNELS=off: one log line and
+`available()` is False; callers keep XLA's forms (and lose the bitwise batch invariance, README "Guarantees").
+Nothing here raises into user code.
 """
 from __future__ import annotations
 
@@ -35,19 +40,28 @@ from ..errors import ConfigError
 
 log = logging.getLogger("pocketjax")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "skinny_matmul.cc"
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi")  # no -ffast-math: sums as
-# written; no -march=native: the ISA is chosen at run time, so a cache shared between CPUs stays correct
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("skinny_matmul.cc", "attention.cc"))
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi", "-ffp-contract=off")  # no -ffast-math and no
+# contraction: sums and products as written (FMAs only where the source asks); no -march=native: the ISA is chosen
+# at run time, so a cache shared between CPUs stays correct
 TARGET = "pocketjax_skinny_matmul"
+ATTENTION_TARGET = "pocketjax_attention"
+LIBRARY = "pocketjax_cpu_kernels"
 BLOCK_ROWS = 8  # rows register-blocked in one pass over the weight (more rows: one pass per 8)
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # the kernel's `isa` (csrc: ResolveIsa)
 
 
 def cache_dir() -> Path:
-    """Where compiled kernels live: POCKETJAX_KERNEL_CACHE, else the XDG cache (~/.cache) under pocketjax/kernels."""
+    """Where compiled kernels live: POCKETJAX_KERNEL_CACHE, else the XDG cache (~/.cache) under pocketjax/kernels;
+    with no home directory either, a private temporary directory (built once per process)."""
     if os.environ.get("POCKETJAX_KERNEL_CACHE"):
         return Path(os.environ["POCKETJAX_KERNEL_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pocketjax" / "kernels"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "pocketjax" / "kernels"
+    try:
+        return Path.home() / ".cache" / "pocketjax" / "kernels"
+    except (RuntimeError, KeyError):  # no HOME and no passwd entry
+        return Path(tempfile.mkdtemp(prefix="pocketjax-kernels-"))
 
 
 def find_compiler() -> str | None:
@@ -73,40 +87,54 @@ def cpu_flags() -> str:
 def build_key(compiler: str) -> str:
     """The hash naming a compiled library: anything that changes the binary or what it may run on changes it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    parts = [SOURCE.read_bytes().hex(), " ".join(FLAGS), version, jaxlib.__version__, cpu_flags(), platform.machine()]
+    parts = [*(source.read_bytes().hex() for source in SOURCES), " ".join(FLAGS), version, jaxlib.__version__, cpu_flags(), platform.machine()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
+def carries_key(lib: Path, key: str) -> bool:
+    """Whether the library file was built from the sources and flags hashed as `key` (the string it embeds)."""
+    try:
+        return f"pocketjax-build-key:{key}".encode() in lib.read_bytes()
+    except OSError:
+        return False
+
+
 def build(compiler: str | None = None, directory: Path | None = None) -> Path | None:
-    """The compiled kernel library, built into `directory` (default `cache_dir()`) unless already there; None when
-    there is no compiler or the build fails (logged). `compiler` overrides `find_compiler()`."""
+    """The compiled kernel library, built into `directory` (default `cache_dir()`) unless a library carrying the
+    same build key is already there; None when there is no compiler or the build fails (logged, never raised)."""
     compiler = compiler or find_compiler()
     if compiler is None:
-        log.info("pocketjax cpu kernel: no C++ compiler (POCKETJAX_CXX / CXX / c++); bf16 products use XLA's form")
+        log.info("pocketjax cpu kernels: no C++ compiler (POCKETJAX_CXX / CXX / c++); XLA's product and attention "
+                 "forms (not batch-invariant)")
         return None
-    directory = Path(directory or cache_dir())
     try:
-        lib = directory / f"{TARGET}-{build_key(compiler)}.so"
-        if lib.exists():
+        directory = Path(directory or cache_dir())
+        key = build_key(compiler)
+        lib = directory / f"{LIBRARY}-{key}.so"
+        if lib.exists() and carries_key(lib, key):
             return lib
+        if lib.exists():
+            log.warning("pocketjax cpu kernels: %s does not carry its build key; rebuilding it", lib)
         directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp", dir=directory)
         os.close(fd)
         try:
-            cmd = [compiler, *FLAGS, "-isystem", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+            cmd = [compiler, *FLAGS, f"-DPOCKETJAX_BUILD_KEY=\"{key}\"", "-isystem", jax.ffi.include_dir(),
+                   *map(str, SOURCES), "-o", tmp]
+            log.info("pocketjax cpu kernels: compiling %s (once per machine, ~30 s)", lib.name)
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             if done.returncode:
-                log.warning("pocketjax cpu kernel: build failed (%s), bf16 products use XLA's form:\n%s",
+                log.warning("pocketjax cpu kernels: build failed (%s); XLA's forms (not batch-invariant):\n%s",
                             " ".join(cmd), done.stderr[-2000:])
                 return None
             os.replace(tmp, lib)  # atomic: another process sees no file or the whole one
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        log.info("pocketjax cpu kernel: built %s", lib)
+        log.info("pocketjax cpu kernels: built %s", lib)
         return lib
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("pocketjax cpu kernel: cannot build (%s); bf16 products use XLA's form", e)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("pocketjax cpu kernels: cannot build (%s); XLA's forms (not batch-invariant)", e)
         return None
 
 
@@ -122,45 +150,59 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PocketjaxSkinnyMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.PocketjaxAttention), platform="cpu")
     except (OSError, AttributeError, ValueError, RuntimeError) as e:
-        log.warning("pocketjax cpu kernel: cannot load %s (%s); bf16 products use XLA's form", path, e)
+        log.warning("pocketjax cpu kernels: cannot load %s (%s); XLA's forms (not batch-invariant)", path, e)
         return None
     lib.PocketjaxSkinnyMatmulIsa.restype = ctypes.c_int
-    log.info("pocketjax cpu kernel: %s loaded (bf16 x: %s, f32 x: %s)", path.name,
-             resolved_isa_name(jnp.bfloat16, lib=lib), resolved_isa_name(jnp.float32, lib=lib))
+    log.info("pocketjax cpu kernels: %s loaded (products: %s with a bf16 weight and x, %s otherwise)", path.name,
+             resolved_isa_name(jnp.bfloat16, jnp.bfloat16, lib=lib), resolved_isa_name(jnp.float32, lib=lib))
     return lib
 
 
-def skinny_matmul_available() -> bool:
-    """True where the kernel is compiled, loaded and registered in this process (builds it on the first call), unless
-    POCKETJAX_CPU_KERNELS=off (read at each trace: XLA's forms, e.g. to profile the step without the kernel)."""
-    if os.environ.get("POCKETJAX_CPU_KERNELS", "").strip().lower() in ("0", "off", "false", "no"):
-        return False
-    return _library() is not None
+def disabled() -> bool:
+    """POCKETJAX_CPU_KERNELS=off (read at each trace): XLA's forms, e.g. to profile the step without the kernels."""
+    return os.environ.get("POCKETJAX_CPU_KERNELS", "").strip().lower() in ("0", "off", "false", "no")
 
 
-def resolved_isa_name(x_dtype, isa: str = "auto", lib: ctypes.CDLL | None = None) -> str:
-    """Which code path (an ISAS name) `isa` runs on this CPU for an x of `x_dtype`."""
+def ensure_built() -> bool:
+    """Build and load the kernels now (outside any jit trace, where a compile of ~30 s would stall a trace); the
+    same answer as `available()`. Called by `Engine(...)`; harmless off the CPU or with the kernels turned off."""
+    return available()
+
+
+def available() -> bool:
+    """True where the kernels are compiled, loaded and registered in this process (builds them on the first call),
+    unless POCKETJAX_CPU_KERNELS=off."""
+    return not disabled() and _library() is not None
+
+
+skinny_matmul_available = available  # the name callers and tests used before the attention kernel
+
+
+def resolved_isa_name(x_dtype, w_dtype=jnp.float32, isa: str = "auto", lib: ctypes.CDLL | None = None) -> str:
+    """Which product code path (an ISAS name) `isa` runs on this CPU for an x of `x_dtype` and a w of `w_dtype`."""
     lib = lib or _library()
-    code = lib.PocketjaxSkinnyMatmulIsa(ctypes.c_int(ISAS[isa]), ctypes.c_int(jnp.dtype(x_dtype) == jnp.bfloat16))
+    code = lib.PocketjaxSkinnyMatmulIsa(ctypes.c_int(ISAS[isa]), ctypes.c_int(jnp.dtype(x_dtype) == jnp.bfloat16),
+                                        ctypes.c_int(jnp.dtype(w_dtype) == jnp.bfloat16))
     return {v: k for k, v in ISAS.items()}[code]
 
 
 def skinny_matmul(x: jax.Array, w: jax.Array, isa: str = "auto") -> jax.Array:
-    """x [rows, in] (float32 or bfloat16) @ w [out, in].T for a bfloat16 w: f32 sums, returned in x's dtype.
+    """x [rows, in] (float32 or bfloat16) @ w [out, in].T for a float32 or bfloat16 w: f32 sums, in x's dtype.
 
-    Any row count is correct (one pass over the weight per BLOCK_ROWS rows); decode sizes are what it is for.
+    Any row count; each output element is computed the same way whatever the row count (batch invariance).
     Differentiable (the derivative is XLA's product) and vmappable (one call per batch element). Call only where
-    `skinny_matmul_available()`; on one device (XLA cannot partition the call: on a mesh it would gather w).
+    `available()`; on one device (XLA cannot partition the call: on a mesh it would gather w).
     `isa` forces a code path (tests, benchmarks): one of ISAS (`resolved_isa_name` says which runs).
     """
-    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or w.dtype != jnp.bfloat16:
-        raise ConfigError(f"skinny_matmul: x [rows, in] and a bfloat16 w [out, in], got {x.shape} {x.dtype} and "
-                          f"{w.shape} {w.dtype}")
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or w.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ConfigError(f"skinny_matmul: x [rows, in] and a float32 or bfloat16 w [out, in], got {x.shape} "
+                          f"{x.dtype} and {w.shape} {w.dtype}")
     if x.dtype not in (jnp.float32, jnp.bfloat16) or isa not in ISAS:
         raise ConfigError(f"skinny_matmul: x float32 or bfloat16 and isa one of {tuple(ISAS)}, got {x.dtype}, {isa!r}")
-    if not skinny_matmul_available():
-        raise ConfigError("skinny_matmul: the CPU kernel is not available in this process (see the log)")
+    if not available():
+        raise ConfigError("skinny_matmul: the CPU kernels are not available in this process (see the log)")
     return _product(x, w, isa)
 
 
@@ -183,3 +225,44 @@ def _product_jvp(isa, primals, tangents):
 
     tangent = dot(dx, w) + dot(x, dw)
     return _product(x, w, isa), tangent.astype(x.dtype)
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, starts: jax.Array, q_lengths: jax.Array,
+              sm_scale: float, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None) -> jax.Array:
+    """Causal GQA attention of q [B, Tq, Hq, D] (query i of row b at position starts[b] + i; rows i >= q_lengths[b]
+    are padding, zeros out) over cache rows `slots` of k, v [S, Hkv, T, D] (float32, bfloat16, int8 or float8 with
+    float32 k_scale / v_scale [S, Hkv, T]), in a fixed summation order per query row (csrc/attention.cc): its bits
+    depend only on its position, its query and its keys, never on the batch, the chunk or the length bucket. The
+    numerics of `pallas_kernels.reference` (within float32 rounding of it); differentiable through the reference.
+    Call only where `available()`, on one device."""
+    return _attention(q, k, v, slots, starts, q_lengths, k_scale, v_scale, float(sm_scale))
+
+
+def _reference_attention(q, k, v, slots, starts, q_lengths, k_scale, v_scale, sm_scale):
+    from pallas_kernels import reference
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+    return reference.prefill_attention(q, k, v, starts, q_lengths, sm_scale=sm_scale, slots=slots, **scales)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
+def _attention(q, k, v, slots, starts, q_lengths, k_scale, v_scale, sm_scale):
+    from pallas_kernels import reference
+    quantized = k_scale is not None
+    dummy = jnp.zeros((1,), jnp.float32)
+    compute = reference.compute_dtype(q, k)
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype), vmap_method="sequential")
+    return call(q, k, v, k_scale if quantized else dummy, v_scale if quantized else dummy, slots.astype(jnp.int32),
+                starts.astype(jnp.int32), q_lengths.astype(jnp.int32), sm_scale=np.float32(sm_scale),
+                quantized=quantized, compute_bf16=jnp.dtype(compute) == jnp.bfloat16)
+
+
+@_attention.defjvp
+def _attention_jvp(sm_scale, primals, tangents):
+    """The reference's derivative (the kernel computes the same function up to float32 rounding)."""
+    def ref(q, k, v, k_scale, v_scale):
+        return _reference_attention(q, k, v, slots, starts, q_lengths, k_scale, v_scale, sm_scale)
+
+    q, k, v, slots, starts, q_lengths, k_scale, v_scale = primals
+    float_tangents = [t for i, t in enumerate(tangents) if i not in (3, 4, 5)]
+    _, tangent = jax.jvp(ref, (q, k, v, k_scale, v_scale), tuple(float_tangents))
+    return _attention(*primals, sm_scale), tangent

@@ -157,27 +157,35 @@ def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     return layers.linear(hidden, params.get("lm_head", params["embed"])).astype(jnp.float32)
 
 
-@partial(jax.jit, static_argnames=("config", "kv_dtype", "hook", "keep_hidden"))
+@partial(jax.jit, static_argnames=("config", "kv_dtype", "hook", "keep_hidden", "impl"))
 def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dtype: str | None = None,
-                   hook: Hook | None = None, keep_hidden: bool = False):
+                   hook: Hook | None = None, keep_hidden: bool = False, impl: str = "xla"):
     """float32 logits [B, T, vocab] of a full causal forward over tokens [B, T], no cache; with `keep_hidden`,
     (logits, hidden [layers + 1, B, T, H]) as `layer_stack` gives them.
 
     kv_dtype "int8" / "float8_e4m3fn" rounds K and V as a quantized cache stores them (scoring its accuracy cost).
-    `hook` is static: each distinct function object compiles once.
+    `hook` is static: each distinct function object compiles once. `impl` "cpu": the engine's native CPU kernels
+    (products and attention, a quantized K/V read as the cache stores it), so the logits are the engine's bit for
+    bit (`logits`); "xla": XLA's forms (training: faster derivatives).
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     zeros, full = jnp.zeros((b,), jnp.int32), jnp.full((b,), t, jnp.int32)
 
     def attend(i, q, k, v, state):
+        heads_first = (0, 2, 1, 3)
+        if kv_dtype in QMAX and impl == "cpu":  # values and scales as the engine's cache holds them
+            (kq, ks), (vq, vs) = quantize(k, kv_dtype), quantize(v, kv_dtype)
+            kv = (kq.transpose(heads_first), vq.transpose(heads_first), ks.transpose(0, 2, 1), vs.transpose(0, 2, 1))
+            return layers.prefill_attention(impl, q, kv, zeros, full), state
         if kv_dtype in QMAX:
             k, v = (dequantize(*quantize(x, kv_dtype), x.dtype) for x in (k, v))
-        kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        return layers.prefill_attention("xla", q, (kt, vt), zeros, full), state
+        return layers.prefill_attention(impl, q, (k.transpose(heads_first), v.transpose(heads_first)), zeros,
+                                        full), state
 
-    x, _, hidden = layer_stack(params, config, tokens, positions, attend, None, hook, keep_hidden)
-    out = lm_head(params, layers.rms_norm(x, params["final_norm"], config.rms_norm_eps))
+    with layers.native_forms(impl == "cpu"):
+        x, _, hidden = layer_stack(params, config, tokens, positions, attend, None, hook, keep_hidden)
+        out = lm_head(params, layers.rms_norm(x, params["final_norm"], config.rms_norm_eps))
     return (out, hidden) if keep_hidden else out
 
 
@@ -198,15 +206,20 @@ def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int,
     positions = starts[:, None] + offsets
     write_at = jnp.where(offsets < lengths[:, None], positions, cache.max_seq_len)
 
+    read_len = None if impl == "cpu" else kv_len  # the native kernel reads each row's keys in place, to its position
+
     def attend(i, q, k, v, cache):
         cache = cache.write(i, slots, write_at, k, v)
-        out = layers.prefill_attention(impl, q, cache.layer(i, kv_len), starts, lengths, slots=slots, kv_len=kv_len)
+        out = layers.prefill_attention(impl, q, cache.layer(i, read_len), starts, lengths, slots=slots,
+                                       kv_len=kv_len)
         return out, cache
 
-    hidden, cache = run_layers(params, config, tokens, positions, attend, cache, hook)
-    last = hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+    with layers.native_forms(impl == "cpu"):
+        hidden, cache = run_layers(params, config, tokens, positions, attend, cache, hook)
+        last = hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
+        logits = lm_head(params, last)
     new_lengths = cache.lengths.at[jnp.where(lengths > 0, slots, cache.num_slots)].set(starts + lengths, mode="drop")
-    out = replace(cache, lengths=new_lengths), lm_head(params, last)
+    out = replace(cache, lengths=new_lengths), logits
     return (*out, hidden) if return_hidden else out
 
 
@@ -221,37 +234,31 @@ def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, 
     write_at = jnp.where(active, positions, cache.max_seq_len)[:, None]
     lengths = jnp.where(active, positions + 1, 0)
 
+    read_len = None if impl == "cpu" else kv_len  # the native kernel reads each row's keys in place, to its position
+
     def attend(i, q, k, v, cache):
         cache = cache.write(i, slots, write_at, k, v)
-        out = layers.decode_attention(impl, q[:, 0], cache.layer(i, kv_len), lengths, slots=None if dense else slots,
-                                      kv_len=kv_len)
+        out = layers.decode_attention(impl, q[:, 0], cache.layer(i, read_len), lengths,
+                                      slots=None if dense else slots, kv_len=kv_len)
         return out[:, None], cache
 
-    hidden, cache = run_layers(params, config, tokens[:, None], positions[:, None], attend, cache, hook)
+    with layers.native_forms(impl == "cpu"):
+        hidden, cache = run_layers(params, config, tokens[:, None], positions[:, None], attend, cache, hook)
+        logits = lm_head(params, hidden[:, 0])
     new_lengths = cache.lengths.at[jnp.where(active, slots, cache.num_slots)].set(lengths, mode="drop")
-    return replace(cache, lengths=new_lengths), lm_head(params, hidden[:, 0])
+    return replace(cache, lengths=new_lengths), logits
 
 
 def default_dtype(config: ModelConfig) -> str:
-    """The checkpoint's dtype, except on CPU: float16 computes in float32 (XLA:CPU has no fast float16 product, 8-15x
-    slower than float32 in every form measured), and bfloat16 computes in float32 where this process's
-    `layers.bfloat16_probe` measured bf16 weights slower than float32 ones (twice the memory, never the slower
-    product). Both are logged; an explicit `load_model(dtype=...)` forces either."""
-    if jax.default_backend() != "cpu" or config.dtype not in ("float16", "bfloat16"):
+    """The checkpoint's dtype, except float16 on CPU, computed in float32 (XLA:CPU has no fast float16 product, 8-15x
+    slower than float32 in every form measured). A bfloat16 checkpoint stays bfloat16 on CPU: half the memory, and
+    the native kernel streams a bf16 weight at the memory's bandwidth (benchmarks/README.md "bfloat16 on CPU"). A
+    rule of the backend and the checkpoint only: the same call gives the same numerics on any load (issue 43 replaced
+    a timing probe that chose per process). `load_model(dtype=...)` forces either."""
+    if jax.default_backend() != "cpu" or config.dtype != "float16":
         return config.dtype
-    if config.dtype == "float16":
-        layers.log.info("pocketjax: float16 checkpoint computed in float32 on CPU (no fast float16 product on "
-                        "XLA:CPU; dtype='float16' forces it)")
-        return "float32"
-    probe = layers.bfloat16_probe()
-    measured = ", ".join(f"{r} row(s) {probe.bfloat16_ms[r]:.3f} vs {probe.float32_ms[r]:.3f} ms"
-                         for r in probe.float32_ms)
-    if probe.fast:
-        layers.log.info("pocketjax: bfloat16 checkpoint computed in bfloat16 on CPU (bf16 vs f32 product: %s)",
-                        measured)
-        return "bfloat16"
-    layers.log.info("pocketjax: bfloat16 checkpoint computed in float32 on CPU: this CPU's bf16 products measured "
-                    "slower (bf16 vs f32 product: %s; dtype='bfloat16' forces it)", measured)
+    layers.log.info("pocketjax: float16 checkpoint computed in float32 on CPU (no fast float16 product on "
+                    "XLA:CPU; dtype='float16' forces it)")
     return "float32"
 
 
@@ -337,7 +344,9 @@ def logits(model: Model, tokens, kv_dtype: str | None = None, *, return_hidden: 
     check_kv_dtype(kv_dtype)
     if hook is not None and not callable(hook):
         raise RequestError(f"hook must be a function (layer, hidden) -> hidden, got {type(hook).__name__}")
-    return forward_logits(model.params, model.config, tokens, kv_dtype, hook, bool(return_hidden))
+    native = jax.default_backend() == "cpu" and model.mesh is None and layers.cpu_kernels.ensure_built()
+    return forward_logits(model.params, model.config, tokens, kv_dtype, hook, bool(return_hidden),
+                          "cpu" if native else "xla")
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -1,11 +1,12 @@
-"""The decoder's building blocks as pure functions, and the attention dispatch (xla | pallas | pallas_interpret)."""
+"""The decoder's building blocks as pure functions, the product forms, and the attention dispatch
+(cpu | xla | pallas | pallas_interpret | triton)."""
 from __future__ import annotations
 
-import functools
+import contextlib
+import contextvars
 import logging
 import math
-import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -15,19 +16,44 @@ from pallas_kernels import reference, tuning
 
 from ..errors import ConfigError
 from . import cpu_kernels, quant
+from .numerics import fixed_logsumexp, fixed_sum, opaque  # noqa: F401 (fixed_logsumexp: re-exported)
 from .config import ModelConfig, rope_frequencies
 from .lora import LoraWeight
 from .quant import QuantizedWeight
 from .sharding import attention_over_heads
 
 log = logging.getLogger("pocketjax")
-ATTENTION_IMPLS = ("auto", "xla", "pallas", "pallas_interpret", "triton")
+ATTENTION_IMPLS = ("auto", "cpu", "xla", "pallas", "pallas_interpret", "triton")
+
+# Whether a CPU program being traced uses pocketjax's native kernels (products and attention: batch-invariant) or
+# XLA's forms. Read at trace time only; the forward functions set it from their static `impl` ("cpu" = native), so
+# a jit cache keyed on `impl` never mixes the two. Outside them (a direct `linear` call) the native forms are used
+# wherever they are available.
+_NATIVE = contextvars.ContextVar("pocketjax_native_forms", default=True)
+
+
+@contextlib.contextmanager
+def native_forms(on: bool) -> Iterator[None]:
+    """Trace the enclosed code with the native CPU kernels (on) or XLA's forms (off)."""
+    token = _NATIVE.set(on)
+    try:
+        yield
+    finally:
+        _NATIVE.reset(token)
+
+
+def native(*arrays: jax.Array) -> bool:
+    """True where the program being traced takes the native CPU kernels for `arrays`: asked for (`native_forms`),
+    on the CPU backend, one device, and the kernels built (`cpu_kernels.available`)."""
+    return (_NATIVE.get() and jax.default_backend() == "cpu" and on_one_device(*arrays)
+            and cpu_kernels.available())
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32 and cast back before the weight, exactly as transformers' Qwen RMSNorm."""
+    """RMSNorm computed in float32 and cast back before the weight, as transformers' Qwen RMSNorm; the mean of
+    squares is a `fixed_sum`, so a row's norm never depends on the rows beside it."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    xf = xf * jax.lax.rsqrt(fixed_sum(xf * xf, keepdims=True) / x.shape[-1] + eps)
     return weight * xf.astype(x.dtype)
 
 
@@ -43,7 +69,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate-half RoPE on x [..., T, heads, D] with cos/sin [..., T, D]."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[..., None, :] + rotated * sin[..., None, :]
+    return opaque(x * cos[..., None, :]) + opaque(rotated * sin[..., None, :])  # each product rounds (no FMA)
 
 
 SKINNY_ROWS = quant.SKINNY_ROWS  # up to this many rows (decode batches), XLA:CPU runs the transposed product faster
@@ -53,48 +79,62 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Arr
     """x @ w.T (+ b) for a weight stored [out, in] (HF's layout), or a QuantizedWeight in the same layout (an integer
     product where `quant.has_integer_product`, else dequantized inside the step and multiplied as a float weight).
 
+    Where `native(x, w)` (CPU, one device, the kernels built): every float product, of any row count, is pocketjax's
+    kernel (`cpu_kernels.skinny_matmul`), whose per-row result does not depend on the row count: decode, verify and
+    prefill compute a position alike, alone or in a batch. XLA's forms otherwise (`xla_product`).
+    """
+    if isinstance(w, LoraWeight):  # an unmerged LoRA adapter (model/lora.py): base product + its rank-r path
+        return linear(x, w.base, b) + opaque(w.lora.apply(x))
+    if isinstance(w, QuantizedWeight):
+        y = quant.matmul(x, w, product if native(x, w.scale) else None)
+    else:
+        y = product(x, w)
+    return y if b is None else y + b
+
+
+def product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w.T for a float weight [out, in]: the native kernel where `native(x, w)`, else XLA's forms."""
+    if w.dtype in (jnp.float32, jnp.bfloat16) and native(x, w):
+        flat = x.reshape(-1, x.shape[-1])
+        if w.dtype == jnp.bfloat16:
+            flat = flat.astype(jnp.bfloat16)  # as XLA's bf16 product: x rounded to bfloat16, f32 sums
+        y = cpu_kernels.skinny_matmul(flat, w)
+        return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+    return xla_product(x, w)
+
+
+def xla_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """XLA's fastest forms measured per row count (not batch-invariant: XLA picks the algorithm by shape).
+
     For a few rows on CPU the product is computed as w @ x.T, materialized (the barrier keeps XLA from folding the
     transpose back into the dot's output layout), then transposed: XLA:CPU's [8, 1024] x [1024, 3072] dot takes
     3-5x the batch-1 time, the tall-skinny form about the same as batch 1 (benchmarks/xla_cpu_matmul.py).
     """
-    if isinstance(w, LoraWeight):  # an unmerged LoRA adapter (model/lora.py): base product + its rank-r path
-        return linear(x, w.base, b) + w.lora.apply(x)
-    if isinstance(w, QuantizedWeight):
-        y = quant.matmul(x, w)
-    elif w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
-        y = bfloat16_product(x, w)
-    else:
-        rows = math.prod(x.shape[:-1])
-        if rows <= SKINNY_ROWS and jax.default_backend() == "cpu":
-            flat = x.reshape(rows, x.shape[-1])
-            y = jax.lax.optimization_barrier(w @ flat.T).T.reshape(*x.shape[:-1], w.shape[0])
-        else:
-            y = jnp.einsum("...k,nk->...n", x, w)
-    return y if b is None else y + b
+    if w.dtype == jnp.bfloat16 and jax.default_backend() == "cpu":
+        return bfloat16_product(x, w)
+    rows = math.prod(x.shape[:-1])
+    if rows <= SKINNY_ROWS and jax.default_backend() == "cpu":
+        flat = x.reshape(rows, x.shape[-1])
+        return jax.lax.optimization_barrier(w @ flat.T).T.reshape(*x.shape[:-1], w.shape[0])
+    return jnp.einsum("...k,nk->...n", x, w)
 
 
 def bfloat16_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w.T for a bfloat16 weight [out, in] on CPU, x rounded to bfloat16 and f32 sums, in the form measured
-    fastest per row count (benchmarks/xla_cpu_matmul.py --suites bf16; benchmarks/README.md "bfloat16 on CPU"):
+    """x @ w.T for a bfloat16 weight [out, in] on CPU in XLA's forms (the native kernel is `product`'s first
+    choice), x rounded to bfloat16 and f32 sums, in the form measured fastest per row count
+    (benchmarks/xla_cpu_matmul.py --suites bf16; benchmarks/README.md "bfloat16 on CPU"):
 
-    - 1 row in a single-device program: pocketjax's own kernel (`cpu_kernels.skinny_matmul`, compiled at first use),
-      which streams the bf16 weight at the memory's bandwidth. XLA:CPU has no 1-row bf16 form that does (its best,
-      padded to 2 rows, reads 10-21 GB/s where float32 reads 23-35; unpadded, transposed or upcast forms take 6-10x
-      longer), so a bf16 decode step, half float32's bytes, was no faster than float32 (issue 36). On a mesh XLA
-      cannot partition the kernel's custom call (it would gather the weight): sharded programs use the forms below.
+    - 1 row in a single-device program with the kernel built: pocketjax's kernel, which streams the bf16 weight at
+      the memory's bandwidth (XLA:CPU's best 1-row bf16 form, padded to 2 rows, reads 10-21 GB/s where float32
+      reads 23-35). On a mesh XLA cannot partition the kernel's custom call: sharded programs use the forms below.
     - 2..BF16_SKINNY_ROWS rows: XLA's bf16 dot as w @ x.T with f32 accumulation, materialized (barrier) and
-      transposed, as `linear` does for float32: 20-32 GB/s, ahead of the kernel's FMAs there (compute bound on a
-      slow core) and of x @ w.T.
-    - 1 row without the kernel (no compiler, POCKETJAX_CPU_KERNELS=off, a mesh): x @ w.T padded to 2 rows; beyond
-      BF16_SKINNY_ROWS (prefill): x @ w.T.
-
-    Whether bf16 beats float32 still depends on the CPU, so `default_dtype` loads bfloat16 checkpoints as bfloat16
-    only where `bfloat16_probe` measured this function no slower than float32's product.
+      transposed, as `xla_product` does for float32.
+    - 1 row without the kernel: x @ w.T padded to 2 rows; beyond BF16_SKINNY_ROWS (prefill): x @ w.T.
     """
     rows = math.prod(x.shape[:-1])
     flat = x.reshape(rows, x.shape[-1]).astype(jnp.bfloat16)
     nk = (((1,), (1,)), ((), ()))
-    if rows <= KERNEL_ROWS and on_one_device(flat, w) and cpu_kernels.skinny_matmul_available():
+    if rows <= KERNEL_ROWS and on_one_device(flat, w) and cpu_kernels.available():
         y = cpu_kernels.skinny_matmul(flat, w)
     elif 2 <= rows <= BF16_SKINNY_ROWS:
         y = jax.lax.optimization_barrier(jax.lax.dot_general(w, flat, nk, preferred_element_type=jnp.float32)).T
@@ -116,50 +156,6 @@ def on_one_device(*arrays: jax.Array) -> bool:
     return all(m.empty or m.size == 1 for m in meshes)
 
 
-@dataclass(frozen=True)
-class Bfloat16Probe:
-    """`linear`'s milliseconds per decode-shaped product with bfloat16 and with float32 weights, per row count."""
-
-    bfloat16_ms: dict[int, float]
-    float32_ms: dict[int, float]
-
-    @property
-    def fast(self) -> bool:
-        """True where bfloat16 weights multiplied no slower than float32 at every row count probed."""
-        return all(self.bfloat16_ms[r] <= self.float32_ms[r] for r in self.float32_ms)
-
-
-PROBE_SHAPE, PROBE_WEIGHTS, PROBE_ROWS, PROBE_ROUNDS = (2048, 1024), 8, (1, 4), 5
-
-
-@functools.cache
-def bfloat16_probe() -> Bfloat16Probe:
-    """This process's measurement of `linear` on bfloat16 vs float32 weights (once, ~1-3 s): PROBE_WEIGHTS distinct
-    weights per call (34 MB in bf16, past a 32 MB L3, so they come from memory as in a decode step), at 1 row and a
-    small batch, the minimum of PROBE_ROUNDS interleaved calls (a shared machine's load hits both alike).
-
-    A measurement, not CPU flags: which library path a bf16 dot takes (and how fast) depends on the CPU, the XLA
-    build and its flags; the ISA flags alone predict it wrong (an AVX512_BF16 Zen 4 decoded at 0.82x float32 at
-    1 request, issue 36).
-    """
-    keys = jax.random.split(jax.random.key(0), PROBE_WEIGHTS)
-    f32 = [jax.random.normal(k, PROBE_SHAPE, jnp.float32) for k in keys]
-    weights = {"bfloat16": [w.astype(jnp.bfloat16) for w in f32], "float32": f32}
-    product = jax.jit(lambda x, ws: sum(linear(x, w).astype(jnp.float32).sum() for w in ws))
-    best: dict[str, dict[int, float]] = {name: {} for name in weights}
-    for rows in PROBE_ROWS:
-        args = {name: (jnp.ones((rows, PROBE_SHAPE[1]), name), ws) for name, ws in weights.items()}
-        for name in weights:
-            jax.block_until_ready(product(*args[name]))  # compile
-        for _ in range(PROBE_ROUNDS):
-            for name in weights:
-                t0 = time.perf_counter()
-                jax.block_until_ready(product(*args[name]))
-                ms = 1e3 * (time.perf_counter() - t0) / PROBE_WEIGHTS
-                best[name][rows] = min(best[name].get(rows, math.inf), ms)
-    return Bfloat16Probe(bfloat16_ms=best["bfloat16"], float32_ms=best["float32"])
-
-
 def swiglu(p: dict, x: jax.Array) -> jax.Array:
     """Qwen's MLP: down(silu(gate(x)) * up(x))."""
     return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
@@ -178,9 +174,13 @@ def qkv_projection(p: dict, config: ModelConfig, x: jax.Array, cos: jax.Array, s
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def resolve_impl(requested: str, kv_dtype: str | None = None, device=None) -> str:
-    """The attention path that will run for `requested`: "xla", "pallas", "pallas_interpret" or "triton"; logs which
-    and why.
+def resolve_impl(requested: str, kv_dtype: str | None = None, device=None, batch_invariant: bool = True) -> str:
+    """The attention path that will run for `requested`: "cpu", "xla", "pallas", "pallas_interpret" or "triton";
+    logs which and why.
+
+    On the CPU, "auto" (with `batch_invariant`) and "cpu" run pocketjax's native kernels, products included
+    (`cpu_kernels`: built here, outside any trace), where they build; XLA's forms otherwise, or with
+    batch_invariant=False (faster at some batch sizes, not batch-invariant: README "Guarantees").
 
     requested: one of ATTENTION_IMPLS. "auto" runs the Pallas kernels where they compile for `device` (default: the
     first) and a `kv_dtype` cache (`tuning.triton_unsupported`: cc >= 8.0), below 8.0 the Triton kernels launched
@@ -198,10 +198,17 @@ def resolve_impl(requested: str, kv_dtype: str | None = None, device=None) -> st
         device = jax.devices()[0] if device is None else device
         unsupported = tuning.triton_unsupported(device, kv_dtype)
         if getattr(device, "platform", "cpu") == "cpu":
-            impl = "xla"
-            reason = ("CPU: XLA attention (Pallas GPU kernels would only run interpreted)" if requested == "auto" else
-                      f"{requested} requested on CPU: falling back to XLA attention (use pallas_interpret to run the "
-                      "kernels interpreted)")
+            wanted = requested == "cpu" or (requested == "auto" and batch_invariant)
+            if wanted and cpu_kernels.ensure_built():
+                impl, reason = "cpu", "CPU: pocketjax's native kernels (batch-invariant products and attention)"
+            elif wanted:
+                impl, reason = "xla", ("CPU: the native kernels are not available (see above): XLA's forms, not "
+                                       "batch-invariant")
+            else:
+                impl = "xla"
+                reason = ("CPU: XLA's forms (batch_invariant=False)" if requested == "auto" else
+                          f"{requested} requested on CPU: falling back to XLA attention (use pallas_interpret to run "
+                          "the kernels interpreted)")
         elif requested == "triton" or (requested == "auto" and unsupported
                                        and tuning.compute_capability(device) < (8, 0)):
             impl, reason = _triton_or_xla(device, kv_dtype, requested, unsupported)
@@ -240,12 +247,25 @@ def split_kv(kv: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, dict]:
     return k, v, dict(zip(("k_scale", "v_scale"), scales))
 
 
+def native_attention(q, kv: tuple[jax.Array, ...], starts, q_lengths, slots) -> jax.Array:
+    """The native CPU kernel (`cpu_kernels.attention`) over kv = (k, v[, k_scale, v_scale]), per device on its
+    local heads when the cache is sharded: each query row's bits depend on its position, query and keys only."""
+    def kernel(q, kv, starts, q_lengths, slots):
+        k, v, scales = split_kv(kv)
+        rows = jnp.arange(q.shape[0], dtype=jnp.int32) if slots is None else slots
+        return cpu_kernels.attention(q, k, v, rows, starts, q_lengths, 1.0 / math.sqrt(q.shape[-1]), **scales)
+    return attention_over_heads(kernel, q, kv, starts, q_lengths, slots)
+
+
 def decode_attention(impl: str, q, kv: tuple[jax.Array, ...], lengths, slots=None, kv_len: int | None = None):
     """One query token per slot over one layer's cache kv = (k, v[, k_scale, v_scale]), k/v [S, Hkv, T, D].
 
     The XLA path reads only the first `kv_len` positions (a static bucket); the kernels skip blocks by length.
     On a sharded cache the kernels run per device on local heads (shard_map; XLA partitions the XLA path).
     """
+    if impl == "cpu":  # the query at position lengths - 1; an inactive row (length 0) is one padding row
+        active = (lengths > 0).astype(jnp.int32)
+        return native_attention(q[:, None], kv, jnp.maximum(lengths - 1, 0), active, slots)[:, 0]
     if impl == "xla":
         k, v, scales = split_kv(tuple(a[:, :, :kv_len] for a in kv))
         return reference.decode_attention(q, k, v, lengths, slots=slots, **scales)
@@ -259,6 +279,8 @@ def decode_attention(impl: str, q, kv: tuple[jax.Array, ...], lengths, slots=Non
 def prefill_attention(impl: str, q, kv: tuple[jax.Array, ...], starts, q_lengths, slots=None,
                       kv_len: int | None = None):
     """A chunk of new tokens per row after a cached prefix, causal, through the chosen implementation."""
+    if impl == "cpu":
+        return native_attention(q, kv, starts, q_lengths, slots)
     if impl == "xla":
         k, v, scales = split_kv(tuple(a[:, :, :kv_len] for a in kv))
         return reference.prefill_attention(q, k, v, starts, q_lengths, slots=slots, **scales)

@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import ConfigError
+from .numerics import opaque
 
 MODES = {"int8": (8, False), "int4": (4, False), "int8+head": (8, True), "int4+head": (4, True)}
 GROUP_SIZE = 128
@@ -207,14 +208,18 @@ def has_integer_product(w: QuantizedWeight) -> bool:
     return w.bits == 8 and w.zero is None and w.scale.shape[-1] == 1 and jax.default_backend() == "cpu"
 
 
-def matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x @ W.T for a quantized W [out, in], in x's dtype: `int8_product` where it applies, else dequantize-then-matmul
-    (see the module docstring for why)."""
+def matmul(x: jax.Array, w: QuantizedWeight, product: Callable | None = None) -> jax.Array:
+    """x @ W.T for a quantized W [out, in], in x's dtype: `int8_product` where it applies (integer sums: exact in
+    any order), else dequantize-then-matmul (see the module docstring for why) with `product(x, w)` (the caller's
+    float product form; default XLA's einsum)."""
     if w.perm is not None:  # the columns are stored in GPTQ's desc_act order
         x = jnp.take(x, w.perm, axis=-1)
     if has_integer_product(w):
         return int8_product(x, w)
-    return jnp.einsum("...k,nk->...n", x, dequantize(after(w, x), x.dtype))  # no transposed copy of the weight
+    dense = dequantize(after(w, x), x.dtype)
+    if product is not None:
+        return product(x, dense)
+    return jnp.einsum("...k,nk->...n", x, dense)  # no transposed copy of the weight
 
 
 SKINNY_ROWS = 64  # up to this many rows (decode batches) products run as w @ x.T on CPU (here and layers.linear)
@@ -230,7 +235,9 @@ def activation_digits(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
     absmax = jnp.max(jnp.abs(flat), axis=-1, keepdims=True)
     step = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     hi = jnp.round(flat / step)
-    lo = jnp.clip(jnp.round((flat - hi * step) * (LOW_DIGIT / step)), -127, 127)
+    # hi * step kept a product of its own: an FMA contraction of flat - hi * step happened in some programs and not
+    # others (`layers.opaque`), and the second digit's bits followed (issue 43)
+    lo = jnp.clip(jnp.round((flat - opaque(hi * step)) * (LOW_DIGIT / step)), -127, 127)
     return jnp.concatenate([hi, lo]).astype(jnp.int8), step
 
 
@@ -259,8 +266,9 @@ def int8_product(x: jax.Array, w: QuantizedWeight) -> jax.Array:
             jax.lax.dot_general(w.values, digits, contract, preferred_element_type=jnp.int32)).T
     else:
         acc = jax.lax.dot_general(digits, w.values, contract, preferred_element_type=jnp.int32)
+    # No FMA contraction of the products into the sums here or in the caller's residual add (`opaque`, issue 43)
     acc = acc.astype(jnp.float32)
-    y = (acc[:rows] + acc[rows:] * (1.0 / LOW_DIGIT)) * step * w.scale[:, 0]
+    y = opaque((acc[:rows] + opaque(acc[rows:] * (1.0 / LOW_DIGIT))) * step * w.scale[:, 0])
     return y.astype(x.dtype).reshape(*shape[:-1], w.values.shape[0])
 
 

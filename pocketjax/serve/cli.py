@@ -34,6 +34,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, help="KV cache dtype (default: the model's)")
     engine.add_argument("--compile-cache-dir", dest="compile_cache_dir",
                         help="JAX's persistent compilation cache folder (default ~/.cache/pocketjax/xla; 'off')")
+    engine.add_argument("--batch-invariant", dest="batch_invariant", action=argparse.BooleanOptionalAction,
+                        default=None, help="CPU: pocketjax's native kernels, so a request's bits never depend on its "
+                                           "batch (default on; --no-batch-invariant: XLA's forms)")
     engine.add_argument("--speculative-config", dest="speculative", metavar="JSON",
                         help='speculative decoding (vLLM\'s spelling), e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')

@@ -1,0 +1,303 @@
+// Causal GQA attention over the slotted KV cache with a FIXED reduction order, as an XLA FFI handler for the CPU
+// (pocketjax/model/cpu_kernels.py compiles it at first use beside the product kernel and registers it).
+//
+// Why: XLA:CPU's dots and reductions pick their summation order from the shapes they see (the row count, the
+// kv-length bucket): a query's output then changed with the batch it ran in, the prefill chunk it fell in and the
+// bucket its neighbours forced (issue 43). Here every query row is computed by the same code whatever else is in
+// the call: its scores over keys 0..pos (pos = starts[b] + i, its position) in key order, each a dot over the head
+// dim in 8 fixed lanes then a fixed tree; its max; exp and the denominator summed in key order; P @ V accumulated in
+// key order per output element. Nothing depends on the row count, the query chunk, the cache length read or the
+// cache row, so decode, verify and prefill compute a position alike, bit for bit.
+//
+// Numerics follow pallas_kernels.reference (the XLA path): products in the compute dtype (the cache's, or q's for
+// a quantized cache) summed in float32; a quantized cache's key scales multiply the scores, its value scales P's
+// columns; P is rounded to the compute dtype before P @ V (bf16) as the reference casts it. The code has no ISA
+// specific arithmetic and is built with -ffp-contract=off: a vectorizing compiler keeps each element's operations
+// as written, so every x86/ARM build gives the same bits.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kLanes = 8;      // the head-dim dot's partial sums
+constexpr int kQueryBlock = 16;  // query rows of one (row, kv head) handled per pass over the keys
+
+inline float Bf16ToF32(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float RoundBf16(float f) {  // to nearest even, as XLA's convert; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return f;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  u &= 0xffff0000u;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t F32ToBf16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float Fp8E4m3ToF32(uint8_t b) {  // float8_e4m3fn: no infinities, 0x7f / 0xff are NaN
+  const int sign = b >> 7, exp = (b >> 3) & 0xf, man = b & 0x7;
+  float v;
+  if (exp == 0xf && man == 0x7) return std::nanf("");
+  if (exp == 0)
+    v = std::ldexp(static_cast<float>(man), -9);  // subnormal: man / 8 * 2^-6
+  else
+    v = std::ldexp(1.0f + man / 8.0f, exp - 7);
+  return sign ? -v : v;
+}
+
+enum class Kind { kF32, kBf16, kS8, kFp8 };
+
+// Reads element j of a cache row as float32 (exact for every kind).
+struct CacheReader {
+  const void* base;
+  Kind kind;
+  const float* fp8;  // the 256-entry table for kFp8
+
+  inline void Row(int64_t offset, int64_t d, float* out) const {
+    switch (kind) {
+      case Kind::kF32:
+        std::memcpy(out, static_cast<const float*>(base) + offset, d * 4);
+        break;
+      case Kind::kBf16: {
+        const uint16_t* p = static_cast<const uint16_t*>(base) + offset;
+        for (int64_t j = 0; j < d; ++j) out[j] = Bf16ToF32(p[j]);
+        break;
+      }
+      case Kind::kS8: {
+        const int8_t* p = static_cast<const int8_t*>(base) + offset;
+        for (int64_t j = 0; j < d; ++j) out[j] = static_cast<float>(p[j]);
+        break;
+      }
+      case Kind::kFp8: {
+        const uint8_t* p = static_cast<const uint8_t*>(base) + offset;
+        for (int64_t j = 0; j < d; ++j) out[j] = fp8[p[j]];
+        break;
+      }
+    }
+  }
+};
+
+// The head-dim dot in kLanes partial sums (lane l: elements l, l + 8, ...), then a fixed tree, then the tail.
+inline float Dot(const float* a, const float* b, int64_t d) {
+  float acc[kLanes] = {};
+  const int64_t dv = d / kLanes * kLanes;
+  for (int64_t j = 0; j < dv; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[j + l] * b[j + l];
+  float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  for (int64_t j = dv; j < d; ++j) s += a[j] * b[j];
+  return s;
+}
+
+struct Problem {
+  const void* q;
+  bool q_bf16;
+  CacheReader k, v;
+  const float *k_scale, *v_scale;  // [S, Hkv, T] or null
+  const int32_t *slots, *starts, *q_lengths;
+  void* out;
+  int64_t B, Tq, Hq, Hkv, S, T, D;
+  float sm_scale;
+  bool compute_bf16;  // products in bfloat16 (inputs and P rounded to it), sums in float32
+};
+
+// One unit: query rows [i0, i1) of row b, every query head of kv head hk.
+void Unit(const Problem& p, int64_t b, int64_t hk, int64_t i0, int64_t i1) {
+  const int64_t G = p.Hq / p.Hkv, D = p.D, rows = (i1 - i0) * G;
+  const int64_t slot = p.slots[b], start = p.starts[b], qlen = p.q_lengths[b];
+  thread_local std::vector<float> qf, scores, acc, kv_row, denom;
+  qf.resize(rows * D);
+  acc.assign(rows * D, 0.0f);
+  denom.assign(rows, 0.0f);
+  kv_row.resize(D);
+  // Each query row's visible keys: 0..pos, clipped to the cache; none for padding rows.
+  int64_t n_max = 0;
+  std::vector<int64_t> visible(i1 - i0);
+  for (int64_t i = i0; i < i1; ++i) {
+    int64_t n = i < qlen ? start + i + 1 : 0;
+    n = n < 0 ? 0 : (n > p.T ? p.T : n);
+    visible[i - i0] = n;
+    n_max = n > n_max ? n : n_max;
+  }
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t src = ((b * p.Tq + i) * p.Hq + hk * G + g) * D;
+      float* dst = &qf[((i - i0) * G + g) * D];
+      for (int64_t j = 0; j < D; ++j) {
+        float x = p.q_bf16 ? Bf16ToF32(static_cast<const uint16_t*>(p.q)[src + j]) : static_cast<const float*>(p.q)[src + j];
+        dst[j] = p.compute_bf16 ? RoundBf16(x) : x;
+      }
+    }
+  scores.resize(rows * (n_max > 0 ? n_max : 1));
+  const int64_t cache_row = (slot * p.Hkv + hk) * p.T;
+  for (int64_t t = 0; t < n_max; ++t) {  // scores, key by key (the key is read once for every query row)
+    p.k.Row((cache_row + t) * D, D, kv_row.data());
+    const float ks = p.k_scale ? p.k_scale[cache_row + t] : 1.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t >= visible[r / G]) continue;
+      float s = Dot(&qf[r * D], kv_row.data(), D) * p.sm_scale;
+      if (p.k_scale) s = s * ks;
+      scores[r * n_max + t] = s;
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {  // softmax in key order: the max is exact in any order, the sum is not
+    const int64_t n = visible[r / G];
+    if (n == 0) continue;
+    float* s = &scores[r * n_max];
+    float m = s[0];
+    for (int64_t t = 1; t < n; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.0f;
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - m);
+      sum += s[t];
+    }
+    denom[r] = sum;
+  }
+  for (int64_t t = 0; t < n_max; ++t) {  // P @ V, key by key: each output element sums in key order
+    p.v.Row((cache_row + t) * D, D, kv_row.data());
+    const float vs = p.v_scale ? p.v_scale[cache_row + t] : 1.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t >= visible[r / G]) continue;
+      float w = scores[r * n_max + t];
+      if (p.v_scale) w = w * vs;
+      if (p.compute_bf16) w = RoundBf16(w);
+      float* o = &acc[r * D];
+      for (int64_t j = 0; j < D; ++j) o[j] += w * kv_row[j];
+    }
+  }
+  for (int64_t i = i0; i < i1; ++i)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = (i - i0) * G + g;
+      const int64_t dst = ((b * p.Tq + i) * p.Hq + hk * G + g) * D;
+      for (int64_t j = 0; j < D; ++j) {
+        const float o = denom[r] > 0.0f ? acc[r * D + j] / denom[r] : 0.0f;
+        if (p.q_bf16)
+          static_cast<uint16_t*>(p.out)[dst + j] = F32ToBf16Bits(o);
+        else
+          static_cast<float*>(p.out)[dst + j] = o;
+      }
+    }
+}
+
+struct Shared {
+  Problem problem;
+  int64_t blocks_per_row, units;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Work() {
+    for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < units;) {
+      const int64_t per_b = problem.Hkv * blocks_per_row;
+      const int64_t b = u / per_b, hk = (u % per_b) / blocks_per_row, blk = u % blocks_per_row;
+      const int64_t i0 = blk * kQueryBlock, i1 = i0 + kQueryBlock < problem.Tq ? i0 + kQueryBlock : problem.Tq;
+      Unit(problem, b, hk, i0, i1);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+bool KindOf(ffi::DataType t, Kind* kind) {
+  switch (t) {
+    case ffi::DataType::F32: *kind = Kind::kF32; return true;
+    case ffi::DataType::BF16: *kind = Kind::kBf16; return true;
+    case ffi::DataType::S8: *kind = Kind::kS8; return true;
+    case ffi::DataType::F8E4M3FN: *kind = Kind::kFp8; return true;
+    default: return false;
+  }
+}
+
+const float* Fp8Table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) t[i] = Fp8E4m3ToF32(static_cast<uint8_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                     ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> slots,
+                     ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> q_lengths, ffi::Result<ffi::AnyBuffer> out,
+                     float sm_scale, bool quantized, bool compute_bf16) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || qd[3] != kd[3] || qd[2] % kd[1] != 0 ||
+      v.dimensions().size() != 4 || v.dimensions()[0] != kd[0] || v.dimensions()[1] != kd[1] ||
+      v.dimensions()[2] != kd[2] || v.dimensions()[3] != kd[3])
+    return ffi::Error::InvalidArgument("pocketjax attention: q [B, Tq, Hq, D], k and v [S, Hkv, T, D]");
+  const ffi::DataType qt = q.element_type();
+  if ((qt != ffi::DataType::F32 && qt != ffi::DataType::BF16) || out->element_type() != qt)
+    return ffi::Error::InvalidArgument("pocketjax attention: q and out must both be float32 or bfloat16");
+  Problem p{};
+  if (!KindOf(k.element_type(), &p.k.kind) || !KindOf(v.element_type(), &p.v.kind))
+    return ffi::Error::InvalidArgument("pocketjax attention: cache of float32, bfloat16, int8 or float8_e4m3fn");
+  p.B = qd[0], p.Tq = qd[1], p.Hq = qd[2], p.D = qd[3], p.S = kd[0], p.Hkv = kd[1], p.T = kd[2];
+  if (slots.element_count() != p.B || starts.element_count() != p.B || q_lengths.element_count() != p.B)
+    return ffi::Error::InvalidArgument("pocketjax attention: slots, starts and q_lengths are [B]");
+  if (quantized && (k_scale.element_count() != p.S * p.Hkv * p.T || v_scale.element_count() != p.S * p.Hkv * p.T))
+    return ffi::Error::InvalidArgument("pocketjax attention: scales are [S, Hkv, T]");
+  p.q = q.untyped_data();
+  p.q_bf16 = qt == ffi::DataType::BF16;
+  p.k.base = k.untyped_data();
+  p.v.base = v.untyped_data();
+  p.k.fp8 = p.v.fp8 = Fp8Table();
+  p.k_scale = quantized ? k_scale.typed_data() : nullptr;
+  p.v_scale = quantized ? v_scale.typed_data() : nullptr;
+  p.slots = slots.typed_data();
+  p.starts = starts.typed_data();
+  p.q_lengths = q_lengths.typed_data();
+  p.out = out->untyped_data();
+  p.sm_scale = sm_scale;
+  p.compute_bf16 = compute_bf16;
+  for (int64_t b = 0; b < p.B; ++b)
+    if (p.slots[b] < 0 || p.slots[b] >= p.S) return ffi::Error::InvalidArgument("pocketjax attention: slot out of range");
+  if (p.B == 0 || p.Tq == 0) return ffi::Error::Success();
+
+  auto s = std::make_shared<Shared>();
+  s->problem = p;
+  s->blocks_per_row = (p.Tq + kQueryBlock - 1) / kQueryBlock;
+  s->units = p.B * p.Hkv * s->blocks_per_row;
+  const int64_t threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
+  const int64_t helpers = (threads < s->units ? threads : s->units) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { s->Work(); });
+  s->Work();
+  while (s->done.load(std::memory_order_acquire) < s->units) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxAttention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<bool>("quantized")
+                                  .Attr<bool>("compute_bf16"));
