@@ -8,8 +8,8 @@ the HLO's shapes in `--hlo`), so a slow product shows up as one long op per laye
     python benchmarks/profile_decode.py --model qwen3-0.6b --dtype bfloat16 --load-dtypes bfloat16,float32 \
         --concurrency 1,2 [--steps 8] [--json out.json]
 
-bf16 products up to `layers.KERNEL_ROWS` rows run in pocketjax's CPU kernel (a `custom-call` op here); run once more
-with POCKETJAX_CPU_KERNELS=off for the same step in XLA's bf16 form (the before/after of issue 36).
+Every float product and the attention run pocketjax's native CPU kernels by default (`custom-call` ops here); run once
+more with POCKETJAX_CPU_KERNELS=off for the same step in XLA's forms.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ Suites:
   1 row padded to 2 (`layers.bfloat16_product`), unpadded, padded to 8, the transposed w @ x.T, the weight upcast to
   f32 inside the step, a multiply-reduce fusion (no library dot), pocketjax's own kernel (`cpu_kernels.skinny_matmul`,
   one row per code path this CPU has) and `layers.bfloat16_product` (the form `linear` picks: the kernel up to
-  `layers.KERNEL_ROWS` rows). Which is fastest, and whether any beats float32, depends on the CPU:
-  `layers.bfloat16_probe` measures the chosen form against float32 once per process.
+  `layers.KERNEL_ROWS` rows with batch_invariant=False; every row count by default). Which is fastest, and whether any
+  beats float32, depends on the CPU (a bf16 checkpoint loads as bf16 where the kernels are built: a rule, no probe).
 - attention: decode QK^T over an f32 cache [slots, kv_heads, T, D] as q @ K^T (einsum), as K @ q^T (the cache as the
   row-major left operand, barrier, transposed: what the XLA path does on CPU), and P @ V.
 
@@ -252,7 +252,7 @@ def suite_bf16(rng, reps: int) -> list[dict]:
         "layers.bfloat16_product (what linear runs)": (layers.bfloat16_product, "bfloat16"),
     }
     if cpu_kernels.skinny_matmul_available():  # pocketjax's kernel in each code path this CPU has
-        for isa in sorted({cpu_kernels.resolved_isa_name(jnp.bfloat16, i) for i in cpu_kernels.ISAS},
+        for isa in sorted({cpu_kernels.resolved_isa_name(jnp.bfloat16, jnp.bfloat16, i) for i in cpu_kernels.ISAS},
                           key=list(cpu_kernels.ISAS).index):
             forms[f"pocketjax kernel ({isa})"] = (functools.partial(cpu_kernels.skinny_matmul, isa=isa), "bfloat16")
     out = []

@@ -26,6 +26,8 @@ from pallas_kernels.triton_blocks import NEG_MAX, Launch, attend_block, load_kv
 def decode_kernel(
     slots_ptr,    # int32 [S]: cache row of each query row
     lengths_ptr,  # int32 [S]: its visible keys
+    per_ptr,      # int32 [1]: key blocks per split (tuning.split_plan; read at run time: as a constexpr the fixed
+                  # trip count made Triton unroll the loop, and sm75's float32 preset spilled registers)
     q_ptr,        # [S, kv_heads, Gp, Dp]
     k_ptr,        # [S_cache, kv_heads, T, D]
     v_ptr,        # [S_cache, kv_heads, T, D]
@@ -42,7 +44,6 @@ def decode_kernel(
     DP: tl.constexpr,
     BLOCK_K: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    BLOCKS_PER_SPLIT: tl.constexpr,
     QUANTIZED: tl.constexpr,
 ):
     s = tl.program_id(0)
@@ -51,8 +52,9 @@ def decode_kernel(
     slot = tl.load(slots_ptr + s).to(tl.int64)
     length = tl.load(lengths_ptr + s)
     n_blocks = tl.cdiv(length, BLOCK_K)
-    first = j * BLOCKS_PER_SPLIT  # fixed shares of the key positions: the bits never depend on the batch
-    last = tl.minimum(first + BLOCKS_PER_SPLIT, n_blocks)
+    per_split = tl.load(per_ptr)
+    first = j * per_split  # fixed shares of the key positions: the bits never depend on the batch
+    last = tl.minimum(first + per_split, n_blocks)
 
     rows = tl.arange(0, GP)
     cols = tl.arange(0, DP)
@@ -102,13 +104,13 @@ def plan_decode(q, k_cache, v_cache, lengths, *, sm_scale=None, block_k=None, sl
     stats = jax.ShapeDtypeStruct((s, kv_heads, splits, gp), jnp.float32)
     return Launch(
         kernel=decode_kernel,
-        args=(slots, lengths, qg, k_cache, v_cache, k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)),
+        args=(slots, lengths, jnp.full((1,), launch["blocks_per_split"], jnp.int32), qg, k_cache, v_cache,
+              k_scale.astype(jnp.float32), v_scale.astype(jnp.float32)),
         out_shape=(jax.ShapeDtypeStruct((s, kv_heads, splits, gp, dp), jnp.float32), stats, stats),
         grid=(s, kv_heads, splits),
         num_warps=launch["num_warps"],
         num_stages=launch["num_stages"],
         meta=dict(scale_log2=softmax_scale_log2(sm_scale, d), KV_HEADS=kv_heads, SEQ=t, HEAD_DIM=d, GP=gp, DP=dp,
-                  BLOCK_K=launch["block_k"], NUM_SPLITS=splits,
-                  BLOCKS_PER_SPLIT=launch["blocks_per_split"], QUANTIZED=quantized),
+                  BLOCK_K=launch["block_k"], NUM_SPLITS=splits, QUANTIZED=quantized),
         finish=finish,
     )

@@ -20,7 +20,7 @@ from flax.nnx.nn.lora import default_a_initializer
 
 from .errors import ConfigError
 from .model.checkpoint import layer_tensors
-from .model.decoder import Hook, Model, forward_logits
+from .model.decoder import Hook, Model, forward_logits, logits_impl
 from .model.lora import Adapter, Lora, LoraConfig, attach, merge
 
 
@@ -81,7 +81,8 @@ class Decoder(nnx.Module):
     def __call__(self, tokens: jax.Array, *, hook: Hook | None = None, return_hidden: bool = False):
         """float32 logits [B, T, vocab] of int tokens [B, T] (with `return_hidden`, also hidden [layers + 1, B, T, H]),
         computed by `decoder.forward_logits` on `functional()`: the same forward as `pj.logits`, adapters unmerged."""
-        return forward_logits(self.functional(), self.config, tokens, hook=hook, keep_hidden=return_hidden)
+        return forward_logits(self.functional(), self.config, tokens, hook=hook, keep_hidden=return_hidden,
+                              impl=logits_impl(self.mesh))
 
     def adapter(self) -> Adapter:
         """The adapters' current values, e.g. for `lora.write_adapter` (PEFT's files)."""

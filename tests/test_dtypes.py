@@ -72,9 +72,11 @@ def test_float16_checkpoint_computes_in_float32_on_cpu_unless_forced(hf_checkpoi
     assert pj.load_model(folder, dtype="float16").dtype == jnp.float16
 
 
-def test_bfloat16_checkpoint_stays_bfloat16_on_cpu_by_rule(hf_checkpoint, monkeypatch):
-    """The default dtype is a rule of the backend and the checkpoint: the same call gives the same numerics on a
-    loaded or an idle machine. Nothing is timed (a clock that moved would show here)."""
+@pytest.mark.parametrize("built", [True, False])
+def test_bfloat16_checkpoint_dtype_is_a_rule_not_a_timing(hf_checkpoint, monkeypatch, built):
+    """The default dtype is a rule of the backend, the checkpoint and the build: bf16 where the native kernels are
+    built, else float32; the same call gives the same numerics on a loaded or an idle machine. Nothing is timed (a
+    clock read would raise here)."""
     import time
 
     def no_clock():
@@ -82,5 +84,7 @@ def test_bfloat16_checkpoint_stays_bfloat16_on_cpu_by_rule(hf_checkpoint, monkey
 
     folder = hf_checkpoint("qwen3_gqa4_headdim", dtype="bfloat16")
     monkeypatch.setattr(time, "perf_counter", no_clock)
-    assert pj.load_model(folder).dtype == jnp.bfloat16
+    monkeypatch.setattr(layers.cpu_kernels, "ensure_built", lambda: built)
+    assert pj.load_model(folder).dtype == (jnp.bfloat16 if built else jnp.float32)
+    assert pj.load_model(folder, dtype="bfloat16").dtype == jnp.bfloat16
     assert not hasattr(layers, "bfloat16_probe")

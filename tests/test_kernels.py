@@ -267,10 +267,14 @@ def test_resolve_impl(caplog):
     from pocketjax.errors import ConfigError
     from pocketjax.model.layers import resolve_impl
 
+    from pocketjax.model import cpu_kernels
+
+    native = "cpu" if cpu_kernels.available() else "xla"  # the native CPU kernels where they build
     if INTERPRET:  # the real default device of a CPU run
-        assert resolve_impl("auto") == resolve_impl("auto", device=jax.devices()[0]) == "xla"
+        assert resolve_impl("auto") == resolve_impl("auto", device=jax.devices()[0]) == native
     cpu = FakeDevice(platform="cpu")
-    assert resolve_impl("auto", device=cpu) == "xla"
+    assert resolve_impl("auto", device=cpu) == resolve_impl("cpu", device=cpu) == native
+    assert resolve_impl("auto", device=cpu, batch_invariant=False) == "xla"
     assert resolve_impl("pallas", device=cpu) == "xla"
     assert resolve_impl("xla", device=cpu) == "xla"
     assert resolve_impl("pallas_interpret", device=cpu) == "pallas_interpret"

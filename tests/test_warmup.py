@@ -21,7 +21,7 @@ def model(hf_checkpoint):
 
 
 def test_signatures_follow_the_engines_buckets(model):
-    calls = signatures(pj.Engine(model, **OPTIONS).rules)
+    calls = signatures(pj.Engine(model, **OPTIONS, batch_invariant=False).rules)  # XLA's attention: kv buckets
     prefill = [(c.width, c.kv_len) for c in calls if c.step == "prefill" and c.rows == 1]
     # a chunk of 33..48 tokens ends at position 33 or later: never attends over only 32
     assert prefill == [(16, 32), (16, 64), (16, 96), (32, 32), (32, 64), (32, 96), (48, 64), (48, 96)]
@@ -32,6 +32,8 @@ def test_signatures_follow_the_engines_buckets(model):
     assert calls[-1] == Signature("copy_prefix") and len(calls) == len(set(calls))
     pallas = signatures(pj.Engine(model, **{**OPTIONS, "attention_impl": "pallas_interpret"}).rules)
     assert {c.kv_len for c in pallas if c.kv_len} == {96}  # the kernels always read max_seq_len
+    native = signatures(pj.Engine(model, **OPTIONS).rules)  # the native CPU kernel reads each row to its position
+    assert {c.kv_len for c in native if c.kv_len} == {96} and len(native) < len(calls)
     one_slot = pj.Engine(model, **{**OPTIONS, "max_batch_size": 1})
     assert not any(c.step == "copy_prefix" for c in signatures(one_slot.rules))
 

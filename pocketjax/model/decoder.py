@@ -250,15 +250,23 @@ def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, 
 
 
 def default_dtype(config: ModelConfig) -> str:
-    """The checkpoint's dtype, except float16 on CPU, computed in float32 (XLA:CPU has no fast float16 product, 8-15x
-    slower than float32 in every form measured). A bfloat16 checkpoint stays bfloat16 on CPU: half the memory, and
-    the native kernel streams a bf16 weight at the memory's bandwidth (benchmarks/README.md "bfloat16 on CPU"). A
-    rule of the backend and the checkpoint only: the same call gives the same numerics on any load (issue 43 replaced
-    a timing probe that chose per process). `load_model(dtype=...)` forces either."""
-    if jax.default_backend() != "cpu" or config.dtype != "float16":
+    """The checkpoint's dtype, except on CPU: float16 computes in float32 (XLA:CPU has no fast float16 product, 8-15x
+    slower than float32 in every form measured), and bfloat16 stays bfloat16 where the native kernels are built (they
+    stream a bf16 weight at the memory's bandwidth: half float32's bytes) and computes in float32 where they are not
+    (XLA:CPU's bf16 forms ran at 0.14-0.82x float32 on three CPUs). A rule of the backend, the checkpoint and the
+    build, never a timer: the same call gives the same numerics on a loaded or an idle machine (issue 43 replaced a
+    per-process timing probe). Both are logged; `load_model(dtype=...)` forces either."""
+    if jax.default_backend() != "cpu" or config.dtype not in ("float16", "bfloat16"):
         return config.dtype
-    layers.log.info("pocketjax: float16 checkpoint computed in float32 on CPU (no fast float16 product on "
-                    "XLA:CPU; dtype='float16' forces it)")
+    if config.dtype == "float16":
+        layers.log.info("pocketjax: float16 checkpoint computed in float32 on CPU (no fast float16 product on "
+                        "XLA:CPU; dtype='float16' forces it)")
+        return "float32"
+    if layers.cpu_kernels.ensure_built():
+        layers.log.info("pocketjax: bfloat16 checkpoint computed in bfloat16 on CPU (the native kernels)")
+        return "bfloat16"
+    layers.log.info("pocketjax: bfloat16 checkpoint computed in float32 on CPU: the native kernels are not built "
+                    "and XLA:CPU's bf16 products are slow (dtype='bfloat16' forces it)")
     return "float32"
 
 
@@ -344,9 +352,15 @@ def logits(model: Model, tokens, kv_dtype: str | None = None, *, return_hidden: 
     check_kv_dtype(kv_dtype)
     if hook is not None and not callable(hook):
         raise RequestError(f"hook must be a function (layer, hidden) -> hidden, got {type(hook).__name__}")
-    native = jax.default_backend() == "cpu" and model.mesh is None and layers.cpu_kernels.ensure_built()
     return forward_logits(model.params, model.config, tokens, kv_dtype, hook, bool(return_hidden),
-                          "cpu" if native else "xla")
+                          logits_impl(model.mesh))
+
+
+def logits_impl(mesh: Any = None) -> str:
+    """The forms `logits` (and the NNX view) run: the engine's native CPU kernels ("cpu") on one CPU device where they
+    are built, so the logits are the engine's bit for bit; XLA's forms ("xla") elsewhere."""
+    native = jax.default_backend() == "cpu" and mesh is None and layers.cpu_kernels.ensure_built()
+    return "cpu" if native else "xla"
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

@@ -45,6 +45,7 @@ extern "C" const char pocketjax_build_key[] = "pocketjax-build-key:" POCKETJAX_B
 namespace {
 
 constexpr int kMaxRows = 8;
+constexpr int kBlockRows = 4;  // rows per register block (the row loop's step)
 
 inline float Bf16ToF32(uint16_t b) {
   uint32_t u = static_cast<uint32_t>(b) << 16;
@@ -309,10 +310,14 @@ struct Shared {
 
   void Work() {
     const int64_t ystride = job.N * (job.y_bf16 ? 2 : 4);
+    // Up to 4 rows in one block: each weight row is read once from memory. More rows in blocks of 4 against a
+    // weight chunk kept in L2: 4 x rows stay in L1 and 4 x 3 accumulators fill the registers (8 rows x 1 weight
+    // row was load bound: 1.8x XLA's time at 8 rows of a [1024, 3072] weight, 0.6x XLA's prefill throughput).
+    const int64_t block = kBlockRows;
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       int64_t n0 = c * chunk, n1 = n0 + chunk < job.N ? n0 + chunk : job.N;
-      for (int64_t r0 = 0; r0 < job.R; r0 += kMaxRows) {
-        const int64_t R = job.R - r0 < kMaxRows ? job.R - r0 : kMaxRows;
+      for (int64_t r0 = 0; r0 < job.R; r0 += block) {
+        const int64_t R = job.R - r0 < block ? job.R - r0 : block;
         Job rows = job;
         rows.x = job.x + r0 * job.K;
         rows.xb = job.xb ? job.xb + r0 * job.K : nullptr;
@@ -360,7 +365,7 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   int64_t chunk = (N + 4 * threads - 1) / (4 * threads);
   const int64_t min_chunk = (65536 / wbytes + K - 1) / K;
   chunk = chunk < min_chunk ? min_chunk : chunk;
-  if (rows > kMaxRows) {
+  if (rows > kBlockRows) {  // several row blocks: the chunk's weights stay in L2 between them
     const int64_t max_chunk = (262144 / wbytes) / K;
     chunk = chunk > max_chunk ? max_chunk : chunk;
   }
