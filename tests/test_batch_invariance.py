@@ -24,13 +24,11 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 
 SIZES = dict(max_batch_size=4, max_seq_len=128)
 CHECKPOINT = "qwen3_gqa4_headdim"
-FORMS = {  # name: (checkpoint dtype, load_model options, Engine options)
+FORMS = {  # name: (checkpoint dtype, load_model options, Engine options); each weight and cache form at least once
     "float32": ("float32", {}, {}),
     "bfloat16": ("bfloat16", dict(dtype="bfloat16"), {}),
-    "int8": ("float32", dict(quantize="int8"), {}),
-    "int8+head": ("float32", dict(quantize="int8+head"), {}),
-    "int4": ("float32", dict(quantize="int4"), {}),
-    "int8-kv": ("float32", {}, dict(kv_dtype="int8")),
+    "int8+head": ("float32", dict(quantize="int8+head"), {}),  # int8 linears, embedding and lm_head
+    "int4-int8kv": ("float32", dict(quantize="int4"), dict(kv_dtype="int8")),
     "bfloat16-int4-fp8kv": ("bfloat16", dict(dtype="bfloat16", quantize="int4"), dict(kv_dtype="float8_e4m3fn")),
 }
 SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
