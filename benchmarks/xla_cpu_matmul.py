@@ -251,7 +251,7 @@ def suite_bf16(rng, reps: int) -> list[dict]:
             lambda x, w: (w.astype(jnp.float32)[None] * x.astype(jnp.float32)[:, None]).sum(-1), "bfloat16"),
         "layers.bfloat16_product (what linear runs)": (layers.bfloat16_product, "bfloat16"),
     }
-    if cpu_kernels.skinny_matmul_available():  # pocketjax's kernel in each code path this CPU has
+    if cpu_kernels.available():  # pocketjax's kernel in each code path this CPU has
         for isa in sorted({cpu_kernels.resolved_isa_name(jnp.bfloat16, jnp.bfloat16, i) for i in cpu_kernels.ISAS},
                           key=list(cpu_kernels.ISAS).index):
             forms[f"pocketjax kernel ({isa})"] = (functools.partial(cpu_kernels.skinny_matmul, isa=isa), "bfloat16")

@@ -84,7 +84,7 @@ def test_bfloat16_checkpoint_dtype_is_a_rule_not_a_timing(hf_checkpoint, monkeyp
 
     folder = hf_checkpoint("qwen3_gqa4_headdim", dtype="bfloat16")
     monkeypatch.setattr(time, "perf_counter", no_clock)
-    monkeypatch.setattr(layers.cpu_kernels, "ensure_built", lambda: built)
+    monkeypatch.setattr(layers.cpu_kernels, "available", lambda: built)
     assert pj.load_model(folder).dtype == (jnp.bfloat16 if built else jnp.float32)
     assert pj.load_model(folder, dtype="bfloat16").dtype == jnp.bfloat16
     assert not hasattr(layers, "bfloat16_probe")

@@ -8,7 +8,7 @@ the kv-length bucket), so a request's logprobs changed with the requests beside 
 output element by one fixed sequence of operations whatever the batch. (2) Speed: XLA:CPU has no bf16 product form
 that streams a bf16 weight at the memory's bandwidth at 1-8 rows.
 
-pocketjax is pure Python, so there is no install-time build: `ensure_built()` (called when an Engine is made, outside
+pocketjax is pure Python, so there is no install-time build: the first `available()` (when an Engine is made, outside
 any jit trace, with a log line) compiles both sources into one library in a cache directory (POCKETJAX_KERNEL_CACHE,
 else $XDG_CACHE_HOME/pocketjax/kernels, else ~/.cache/pocketjax/kernels, else a private temporary directory), named by
 a hash of (sources, flags, compiler version, jaxlib version, CPU flags); built under a temporary name and renamed into
@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 import numpy as np
+from pallas_kernels import reference
 
 from ..errors import ConfigError
 
@@ -87,7 +88,8 @@ def cpu_flags() -> str:
 def build_key(compiler: str) -> str:
     """The hash naming a compiled library: anything that changes the binary or what it may run on changes it."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
-    parts = [*(source.read_bytes().hex() for source in SOURCES), " ".join(FLAGS), version, jaxlib.__version__, cpu_flags(), platform.machine()]
+    parts = [*(source.read_bytes().hex() for source in SOURCES), " ".join(FLAGS), version, jaxlib.__version__,
+             cpu_flags(), platform.machine()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
@@ -165,19 +167,11 @@ def disabled() -> bool:
     return os.environ.get("POCKETJAX_CPU_KERNELS", "").strip().lower() in ("0", "off", "false", "no")
 
 
-def ensure_built() -> bool:
-    """Build and load the kernels now (outside any jit trace, where a compile of ~30 s would stall a trace); the
-    same answer as `available()`. Called by `Engine(...)`; harmless off the CPU or with the kernels turned off."""
-    return available()
-
-
 def available() -> bool:
-    """True where the kernels are compiled, loaded and registered in this process (builds them on the first call),
-    unless POCKETJAX_CPU_KERNELS=off."""
+    """True where the kernels are compiled, loaded and registered in this process, unless POCKETJAX_CPU_KERNELS=off.
+    The first call builds them: `Engine(...)` and `load_model` make it outside any jit trace (a ~30 s compile
+    inside a trace would stall it); harmless off the CPU."""
     return not disabled() and _library() is not None
-
-
-skinny_matmul_available = available  # the name callers and tests used before the attention kernel
 
 
 def resolved_isa_name(x_dtype, w_dtype=jnp.float32, isa: str = "auto", lib: ctypes.CDLL | None = None) -> str:
@@ -239,14 +233,12 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, starts
 
 
 def _reference_attention(q, k, v, slots, starts, q_lengths, k_scale, v_scale, sm_scale):
-    from pallas_kernels import reference
     scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
     return reference.prefill_attention(q, k, v, starts, q_lengths, sm_scale=sm_scale, slots=slots, **scales)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
 def _attention(q, k, v, slots, starts, q_lengths, k_scale, v_scale, sm_scale):
-    from pallas_kernels import reference
     quantized = k_scale is not None
     dummy = jnp.zeros((1,), jnp.float32)
     compute = reference.compute_dtype(q, k)

@@ -262,7 +262,7 @@ def default_dtype(config: ModelConfig) -> str:
         layers.log.info("pocketjax: float16 checkpoint computed in float32 on CPU (no fast float16 product on "
                         "XLA:CPU; dtype='float16' forces it)")
         return "float32"
-    if layers.cpu_kernels.ensure_built():
+    if layers.cpu_kernels.available():
         layers.log.info("pocketjax: bfloat16 checkpoint computed in bfloat16 on CPU (the native kernels)")
         return "bfloat16"
     layers.log.info("pocketjax: bfloat16 checkpoint computed in float32 on CPU: the native kernels are not built "
@@ -359,7 +359,7 @@ def logits(model: Model, tokens, kv_dtype: str | None = None, *, return_hidden: 
 def logits_impl(mesh: Any = None) -> str:
     """The forms `logits` (and the NNX view) run: the engine's native CPU kernels ("cpu") on one CPU device where they
     are built, so the logits are the engine's bit for bit; XLA's forms ("xla") elsewhere."""
-    native = jax.default_backend() == "cpu" and mesh is None and layers.cpu_kernels.ensure_built()
+    native = jax.default_backend() == "cpu" and mesh is None and layers.cpu_kernels.available()
     return "cpu" if native else "xla"
 
 

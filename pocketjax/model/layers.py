@@ -16,7 +16,7 @@ from pallas_kernels import reference, tuning
 
 from ..errors import ConfigError
 from . import cpu_kernels, quant
-from .numerics import fixed_logsumexp, fixed_sum, opaque  # noqa: F401 (fixed_logsumexp: re-exported)
+from .numerics import fixed_sum, opaque
 from .config import ModelConfig, rope_frequencies
 from .lora import LoraWeight
 from .quant import QuantizedWeight
@@ -199,7 +199,7 @@ def resolve_impl(requested: str, kv_dtype: str | None = None, device=None, batch
         unsupported = tuning.triton_unsupported(device, kv_dtype)
         if getattr(device, "platform", "cpu") == "cpu":
             wanted = requested == "cpu" or (requested == "auto" and batch_invariant)
-            if wanted and cpu_kernels.ensure_built():
+            if wanted and cpu_kernels.available():
                 impl, reason = "cpu", "CPU: pocketjax's native kernels (batch-invariant products and attention)"
             elif wanted:
                 impl, reason = "xla", ("CPU: the native kernels are not available (see above): XLA's forms, not "

@@ -236,7 +236,7 @@ def activation_digits(flat: jax.Array) -> tuple[jax.Array, jax.Array]:
     step = jnp.where(absmax > 0, absmax / 127.0, 1.0)
     hi = jnp.round(flat / step)
     # hi * step kept a product of its own: an FMA contraction of flat - hi * step happened in some programs and not
-    # others (`layers.opaque`), and the second digit's bits followed (issue 43)
+    # others (`numerics.opaque`), and the second digit's bits followed (issue 43)
     lo = jnp.clip(jnp.round((flat - opaque(hi * step)) * (LOW_DIGIT / step)), -127, 127)
     return jnp.concatenate([hi, lo]).astype(jnp.int8), step
 
