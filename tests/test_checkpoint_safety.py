@@ -161,6 +161,23 @@ def test_generation_config_is_checked(source, tmp_path, value):
         Engine(model, max_batch_size=1, max_seq_len=32)
 
 
+@pytest.mark.parametrize("name, dtype", [("model.layers.0.self_attn.q_proj.weight", np.int32),
+                                         ("model.embed_tokens.weight", np.int8), ("model.norm.weight", np.bool_),
+                                         ("model.layers.0.mlp.up_proj.weight", np.uint8)])
+def test_an_integer_weight_is_refused(source, tmp_path, name, dtype):
+    """A weight stored as I32, I8, U8 or BOOL holds values of no float kind: loading it (cast to float, which the
+    loader did) would serve garbage without a word. CheckpointError names the tensor and its dtype."""
+    folder = copy(source, tmp_path / "int")
+    file = SafetensorsFile(folder / "model.safetensors")
+    tensors = {key: np.array(file.tensor(key)) for key in file.keys()}
+    tensors[name] = np.ones(tensors[name].shape, dtype)
+    del file
+    write_safetensors(folder / "model.safetensors", tensors)
+    stored = {np.int32: "I32", np.int8: "I8", np.bool_: "BOOL", np.uint8: "U8"}[dtype]
+    with pytest.raises(CheckpointError, match=f"{name}.*{stored}"):
+        pj.load_model(folder)
+
+
 # ---- the safetensors header and the index -----------------------------------------------------------------------------
 def write_raw(path: Path, header, data: bytes = b"\0" * 64) -> Path:
     blob = header if isinstance(header, bytes) else json.dumps(header).encode()

@@ -25,7 +25,7 @@ from jupyter_client.manager import AsyncKernelManager  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = ["01_quickstart.ipynb", "02_slots_and_batching.ipynb", "03_kernels.ipynb", "04_tensor_parallel.ipynb",
-             "05_benchmarks.ipynb", "06_research.ipynb"]
+             "05_benchmarks.ipynb", "06_research.ipynb", "07_rl.ipynb"]
 CELL_TIMEOUT_S = 300
 KERNEL_NAME = "python3"  # the name every notebook's metadata asks for
 

@@ -4,6 +4,7 @@ import json
 import urllib.error
 import urllib.request
 
+import jsonschema
 import openai
 import pytest
 
@@ -14,6 +15,8 @@ from pocketjax.serve.server import BackgroundServer, create_app
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
 SLOTS, CONTEXT = 4, 128  # test_server's engine shape: a shared session reuses its compiled steps
 NAME = "pocket-coder"
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+ADD_TOOL = {"type": "function", "name": "add", "description": "a + b", "parameters": ADD}
 
 
 @pytest.fixture(scope="module")
@@ -86,15 +89,21 @@ def test_messages_and_instructions_streamed(llm, client):
 
 @pytest.mark.parametrize("extra, param", [
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
-    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),  # built-in tools: only function tools run here
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]}, "tools"),
+    ({"tools": [ADD_TOOL], "tool_choice": {"type": "function", "name": "mul"}}, "tool_choice"),
+    ({"tools": [ADD_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text"),
+    ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text"),  # no name
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
     ({"text": {"verbosity": "low"}}, "text"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"background": True}, "background"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "add"}]}, "input"),  # no arguments
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input"),
     ({"max_output_tokens": CONTEXT}, "max_output_tokens"),
+    ({"input": "x" * 100_000}, "input"),  # over --max-prompt-chars: refused before the template renders it
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),  # the other endpoints' constraint fields
     ({"response_format": {"type": "json_object"}}, "response_format"),
 ])
@@ -107,3 +116,59 @@ def test_unsupported_fields_are_400_naming_them(server, client, extra, param):
     error = json.loads(info.value.read())["error"]
     assert info.value.code == 400 and error["param"] == param, error
     assert client.responses.create(model=NAME, input="y", max_output_tokens=2).usage.output_tokens <= 2
+
+
+def items(response) -> list[tuple]:
+    """A response's output items, ids left out (each answer draws new ones)."""
+    return [(item.type, item.status, item.name, item.arguments) if item.type == "function_call"
+            else (item.type, item.status, item.content[0].text) for item in response.output]
+
+
+def test_function_tools_make_function_call_items(llm, client):
+    """A named tool_choice: exactly one function_call item (no message: no text came before the call) whose
+    arguments follow the schema, closed (no key but a and b); streamed through the SDK's stream helper, the same
+    items; then the agent's next turn sends the call and its output back and gets text, the reply to the same
+    conversation run alone through the chat template."""
+    kw = dict(model=NAME, input="add 2 and 3", tools=[ADD_TOOL], tool_choice={"type": "function", "name": "add"},
+              max_output_tokens=60, temperature=0)
+    out = client.responses.create(**kw)
+    assert out.status == "completed" and [item.type for item in out.output] == ["function_call"]
+    call = out.output[0]
+    assert call.name == "add" and call.call_id.startswith("call_") and call.id.startswith("fc_")
+    jsonschema.validate(json.loads(call.arguments), {**ADD, "additionalProperties": False})
+    assert out.tools[0].name == "add" and out.tool_choice.name == "add"
+    with client.responses.stream(**kw) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert items(final) == items(out)
+    assert kinds[2:4] == ["response.output_item.added", "response.function_call_arguments.delta"]
+    assert kinds[-4:] == ["response.function_call_arguments.delta", "response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+    assert kinds.count("response.function_call_arguments.delta") > 1  # the arguments arrive as they are written
+    turn = [{"role": "user", "content": "add 2 and 3"}, call.model_dump(exclude_none=True),
+            {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+    answer = client.responses.create(model=NAME, input=turn, tools=[ADD_TOOL], tool_choice="none",
+                                     max_output_tokens=8, temperature=0)
+    alone = llm.chat([{"role": "user", "content": "add 2 and 3"}, {"role": "assistant", "content": ""},
+                      {"role": "tool", "content": "5"}], pj.SamplingParams(max_tokens=8, temperature=0))
+    assert [item.type for item in answer.output] == ["message"] and answer.output_text == alone.text
+
+
+def test_input_items_become_the_chat_conversation():
+    """An agent's second request, as the Agents SDK sends it (its text, its call, the call's output), is the chat
+    conversation an OpenAI chat client would send, in the form the templates read (arguments as an object)."""
+    from pocketjax.serve.responses import ResponsesRequest
+
+    body = ResponsesRequest.model_validate({"instructions": "be brief", "input": [
+        {"role": "user", "content": "add 2 and 3"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Adding."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+        {"type": "function_call", "call_id": "call_2", "name": "add", "arguments": '{"a": 0, "b": 0}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "5"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "0"}]}]})
+    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": "add", "arguments": arguments}}
+             for i, arguments in ((1, {"a": 2, "b": 3}), (2, {"a": 0, "b": 0}))]
+    assert body.chat() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "add 2 and 3"},
+                           {"role": "assistant", "content": "Adding.", "tool_calls": calls},
+                           {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+                           {"role": "tool", "tool_call_id": "call_2", "content": "0"}]

@@ -226,7 +226,8 @@ def test_dropped_clients_free_their_slots(llm, server, client):
     ({"prompt": [5, 4096]}, None),  # a token id outside the vocabulary
     ({"prompt": list(range(1, CONTEXT + 2))}, "prompt"),  # longer than the context
     ({"prompt": "x", "max_tokens": CONTEXT}, "max_tokens"),  # prompt + max_tokens past the context
-    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 1000}}, None),  # out of OpenAI's [-100, 100]: SamplingParams names it
+    ({"prompt": "x", "frobnicate": 1}, "frobnicate"),  # a field no endpoint knows: refused by name
     ({"messages": []}, "messages"),
     ({"messages": [{"content": "no role"}]}, None),
 ])
@@ -278,7 +279,7 @@ def test_cli_serve_flags(monkeypatch):
     monkeypatch.setattr(server, "serve", lambda llm, host, port, **kw: seen.update(
         host=host, port=port, slots=llm.engine.num_slots, **kw))
     monkeypatch.setenv("POCKETJAX_API_KEY", "from-env")
-    assert cli.main(["serve", "--port", "9123", "--max-batch-size", "2", "--max-seq-len", "64"]) == 0
+    assert cli.main(["serve", "--port", "9123", "--max-batch-size", "2", "--max-seq-len", "64", "--no-warmup"]) == 0
     assert seen["host"] == "127.0.0.1" and seen["port"] == 9123 and seen["slots"] == 2
     assert seen["api_key"] == "from-env" and seen["model_name"] == NAME
 

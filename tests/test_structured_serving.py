@@ -160,11 +160,11 @@ def test_named_tool_choice_is_enforced(client, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_auto_parses_what_the_model_writes(client, stream):
     """Random weights write no call of their own: a grammar (vLLM's structured_outputs extra) makes the answer text
-    around one call, and "auto" must find it."""
+    around one call, and "auto" must find it; the content is the text before it (vLLM's hermes parser)."""
     grammar = ('start: "Checking." <tool_call> "\\n{\\"name\\": \\"add\\", \\"arguments\\": " args "}\\n" '
                '</tool_call> " Done."\nargs: %json ' + json.dumps({**ADD, "x-guidance": {"whitespace_flexible": False}}))
     content, calls, reason = chat(client, stream, tools=TOOLS, extra_body={"structured_outputs": {"grammar": grammar}})
-    assert content == "Checking. Done." and [c[0] for c in calls] == ["add"] and reason == "tool_calls"
+    assert content == "Checking." and [c[0] for c in calls] == ["add"] and reason == "tool_calls"
     check_calls(calls, ["add"])
     text = chat(client, stream, tools=TOOLS, tool_choice="none", extra_body={"structured_outputs": {"grammar": grammar}})
     assert text[1] == [] and "<tool_call>" in text[0] and text[2] == "stop"  # "none" parses nothing

@@ -5,10 +5,12 @@ import json
 import random
 import re
 
+import numpy as np
 import pytest
 
 from pocketjax.serve.api_error import APIError
-from pocketjax.serve.tool_calls import (END, START, ToolCallParser, parse_tool_calls, template_messages,
+from pocketjax.serve.tool_calls import (END, MAX_PARALLEL_CALLS, START, Arguments, ToolCall, ToolCallParser,
+                                        close_schema, legacy_tool_request, parse_tool_calls, template_messages,
                                         tool_request)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
@@ -28,75 +30,108 @@ CALLS = [("get_weather", {"city": "Zürich"}), ("add", {"a": 1, "b": -2}),
          ("get_weather", {"city": "a \"quoted\" {brace} </tool_call>? \\ 😀", "unit": "c"})]
 
 
-def streamed(text: str, cuts: list[int]) -> tuple[str, list, list]:
-    """What a stream of `text`, cut at `cuts`, sends: its content pieces, calls, and every event in order."""
-    parser, events = ToolCallParser(), []
+def parse(text: str, parser: ToolCallParser | None = None) -> tuple[str | None, list[ToolCall]]:
+    return parse_tool_calls(parser or ToolCallParser(), text)
+
+
+def streamed(text: str, cuts: list[int], max_calls: int | None = None) -> tuple[str, list, list]:
+    """What a stream of `text`, cut at `cuts`, sends: its content, its calls as OpenAI's clients accumulate them
+    ((id, name, arguments) per index, arguments appended piece by piece), and every event in order."""
+    parser, events = ToolCallParser(max_calls), []
     for a, b in zip([0, *cuts], [*cuts, len(text)]):
         events += parser.feed(text[a:b])
     events += parser.finish()
-    pieces = [e for e in events if isinstance(e, str)]
-    return "".join(pieces), [e for e in events if not isinstance(e, str)], pieces
+    calls: dict[int, list] = {}
+    for event in events:
+        if isinstance(event, ToolCall):
+            assert event.index not in calls  # the head comes once, before its arguments
+            calls[event.index] = [event.id, event.name, ""]
+        elif isinstance(event, Arguments):
+            calls[event.index][2] += event.text
+    return "".join(e for e in events if isinstance(e, str)), [tuple(calls[i]) for i in sorted(calls)], events
+
+
+def whole(calls) -> list[tuple]:
+    return [(c.id, c.name, c.arguments) for c in calls]
 
 
 @pytest.mark.parametrize("before, between, after", [("", "\n", ""), ("Let me check.\n", "\n\n", "\nDone."),
                                                      ("<tool_c", " and ", "<tool_call")])
-def test_calls_and_the_text_around_them(before, between, after):
+def test_content_is_the_text_before_the_first_call(before, between, after):
+    """vLLM's hermes parser: content is what comes before the first <tool_call>; text between and after is dropped."""
     text = before + between.join(block(n, a) for n, a in CALLS) + after
-    content, calls = parse_tool_calls(text)
+    content, calls = parse(text)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == CALLS
     assert [c.index for c in calls] == [0, 1, 2] and len({c.id for c in calls}) == 3
-    assert all(c.id.startswith("call_") and len(c.id) == 29 for c in calls)
-    visible = before + between * (len(CALLS) - 1) + after
-    assert content == (visible if visible.strip() else None)
+    assert all(re.fullmatch(r"call_[0-9a-f]{24}", c.id) and c.complete for c in calls)
+    assert content == (before if before.strip() else None)
     assert calls[0].arguments == '{"city": "Zürich"}'  # the model's own JSON text, non-ASCII kept
+    assert calls[2].arguments == json.dumps(CALLS[2][1], ensure_ascii=False)  # </tool_call> inside a string
 
 
 def test_streamed_answer_equals_the_whole_answer_at_any_cut():
+    """Every cut point, then random cuts: the same content and calls (ids aside), the head of each call before its
+    arguments, and a call's arguments in as many pieces as the text was cut inside them (incremental)."""
     rng = random.Random(0)
     text = "Sure <tool_call" + block(*CALLS[0]) + " mid " + block(*CALLS[2]) + "\n<tool_call>\nnot json\n</tool_call>!"
-    whole_content, whole_calls = parse_tool_calls(text)
+    whole_content, whole_calls = parse(text)
+    assert whole_content == "Sure <tool_call" and [c.name for c in whole_calls] == ["get_weather"] * 2
+    inside = text.index('{"city": "a')  # the second call's arguments start here
     for trial in range(300):
         cuts = sorted(rng.sample(range(1, len(text)), rng.randrange(0, 12)))
         if trial < len(text) - 1:
-            cuts = [trial + 1]  # every single cut point, then random ones
-        content, calls, pieces = streamed(text, cuts)
+            cuts = [trial + 1]
+        content, calls, events = streamed(text, cuts)
         assert content == whole_content
-        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole_calls]
-        assert not any('"name": "get_weather"' in p for p in pieces)  # a call's markup is never content
+        assert [c[1:] for c in calls] == [c[1:] for c in whole(whole_calls)]
+        assert not any(isinstance(e, str) and "<tool_call>" in e for e in events)  # markup is never content
+        if cuts == [inside + 5]:  # a cut inside the arguments: two pieces
+            assert [e.text for e in events if isinstance(e, Arguments) and e.index == 1] == [
+                whole_calls[1].arguments[:5], whole_calls[1].arguments[5:]]
 
 
-def test_malformed_blocks_stay_content():
+def test_blocks_that_are_not_calls_are_dropped():
+    """A block that is not a call is neither a call nor content (vLLM's streamed parser drops it too; its
+    non-streamed parser would return the whole answer, markup included, as content)."""
     bad = [f"{START}\nnot json\n{END}", f'{START}{{"name": 3, "arguments": {{}}}}{END}',
            f'{START}{{"name": "f", "arguments": "[1]"}}{END}', f'{START}{{"name": "f", "args": {{}}}}{END}',
-           f'{START}[1, 2]{END}']
+           f"{START}[1, 2]{END}", f"{START}{START}"]
     for text in bad:
-        assert parse_tool_calls("x " + text) == ("x " + text, [])
-    content, calls = parse_tool_calls(bad[0] + block(*CALLS[1]))
-    assert content == bad[0] and [c.name for c in calls] == ["add"]
-    _, calls = parse_tool_calls(f'{START}{{"arguments": {{"a": 1}}, "name": "f", "id": 7}}{END}')  # other layouts
+        assert parse("x " + text) == ("x ", [])
+        assert parse(text + block(*CALLS[1]))[0] is None
+        assert [c.name for c in parse(text + block(*CALLS[1]))[1]] == ["add"]
+    _, calls = parse(f'{START}{{"arguments": {{"a": 1}}, "name": "f", "id": 7}}{END}')  # other layouts
     assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+    _, calls = parse(f'{START}{{"name": "f", "arguments": {{"a": 1}}, "id": 7}}{END}')
+    assert [(c.name, c.arguments) for c in calls] == [("f", '{"a": 1}')]
+    assert parse("  \n") == ("  \n", []) and parse("\n" + block(*CALLS[1]))[0] is None
 
 
 def test_an_answer_cut_inside_a_block():
-    whole = block(*CALLS[1])
-    content, calls = parse_tool_calls(whole[:-len(END)])  # the JSON was complete: still a call
-    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [CALLS[1]]
-    cut = whole[:len(whole) // 2]
-    assert parse_tool_calls(cut) == (cut, [])
-    assert streamed(cut, [5, 9])[:2] == (cut, [])
+    """max_tokens inside a call: the call keeps the arguments written so far (vLLM returns a forced call cut short
+    the same way) and no markup reaches the content; cut before its name is complete, there is no call."""
+    full = block(*CALLS[1])
+    content, calls = parse(full[:-len(END)])  # the JSON was complete: a whole call
+    assert content is None and [(c.name, c.arguments, c.complete) for c in calls] == [("add", '{"a": 1, "b": -2}',
+                                                                                    True)]
+    cut = full[:full.index('"b"') + 2]
+    content, calls = parse(cut)
+    assert content is None and [(c.name, c.arguments, c.complete) for c in calls] == [("add", '{"a": 1, "b', False)]
+    content, calls, _ = streamed(cut, [20, 45])
+    assert content == "" and [c[1:] for c in calls] == [("add", '{"a": 1, "b')]
+    assert parse("Hi " + full[:len(START) + 12]) == ("Hi ", [])
+    assert parse("Hi <tool") == ("Hi <tool", [])  # "auto": a tag cut short is text, as vLLM leaves it
+    assert parse("<tool", ToolCallParser(calls_only=True)) == (None, [])  # a forced call cut short is no content
 
 
-def test_call_deltas_are_openai_incremental_shape():
-    _, calls = parse_tool_calls(block(*CALLS[0]) + block(*CALLS[1]))
-    first, second = calls[1].deltas()
-    assert first == {"index": 1, "id": calls[1].id, "type": "function", "function": {"name": "add", "arguments": ""}}
-    assert second == {"index": 1, "function": {"arguments": '{"a": 1, "b": -2}'}}
-    assert calls[1].message() == {"id": calls[1].id, "type": "function",
-                                  "function": {"name": "add", "arguments": '{"a": 1, "b": -2}'}}
+def test_max_calls_drops_the_blocks_after_it():
+    text = "\n".join(block(*call) for call in CALLS)
+    assert [c.name for c in parse(text, ToolCallParser(max_calls=1))[1]] == ["get_weather"]
+    assert [c[1] for c in streamed(text, [30, 100], max_calls=2)[1]] == ["get_weather", "add"]
 
 
 @pytest.mark.parametrize("tools, choice, message", [
-    ([], None, "must not be empty"),
+    ([], None, "non-empty list"),
     (["f"], None, "tools[0] must be"),
     ([{"type": "retrieval"}], None, "tools[0] must be"),
     ([{"type": "function", "function": {"description": "no name"}}], None, "function.name"),
@@ -131,13 +166,76 @@ def test_malformed_tool_choice_is_400_naming_it(choice, message):
 def test_tool_choices():
     assert tool_request(None, None, None) is None and tool_request(None, "none", None) is None
     auto = tool_request(TOOLS, None, None)
-    assert (auto.choice, auto.enforced, auto.parsed, auto.parallel) == ("auto", False, True, True)
+    assert (auto.choice, auto.enforced, auto.parsed, auto.parallel, auto.max_calls) == ("auto", False, True, True,
+                                                                                       None)
     assert auto.tools == TOOLS and auto.parameters["get_weather"] == WEATHER
     none = tool_request(TOOLS, "none", None)
     assert (none.enforced, none.parsed) == (False, False) and none.tools == TOOLS  # still rendered, as vLLM does
-    named = tool_request(TOOLS, {"type": "function", "function": {"name": "add"}}, False)
-    assert (named.choice, named.enforced, named.parallel) == ("add", True, False)
-    assert tool_request(TOOLS, "required", None).enforced
+    named = tool_request(TOOLS, {"type": "function", "function": {"name": "add"}}, None)
+    assert (named.choice, named.enforced, named.parallel, named.max_calls) == ("add", True, True, 1)
+    assert tool_request(TOOLS, "required", None).max_calls == MAX_PARALLEL_CALLS
+    assert tool_request(TOOLS, "required", False).max_calls == tool_request(TOOLS, "auto", False).max_calls == 1
+
+
+def test_schemas_are_closed_unless_they_allow_more():
+    """Objects that list properties get additionalProperties: false at any depth (vLLM's default backend refuses
+    unlisted keys); a schema's own additionalProperties, free-form objects and allOf branches are left as given."""
+    schema = {"type": "object", "properties": {
+        "point": {"type": "object", "properties": {"x": {"type": "number"}}},
+        "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+        "extra": {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+        "free": {"type": "object"},
+        "either": {"anyOf": [{"type": "object", "properties": {"b": {}}}, {"type": "null"}]},
+        "both": {"allOf": [{"type": "object", "properties": {"c": {}}}]}},
+        "$defs": {"D": {"type": "object", "properties": {"d": {}}}}}
+    closed = close_schema(schema)
+    props = closed["properties"]
+    assert closed["additionalProperties"] is False and props["point"]["additionalProperties"] is False
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert closed["$defs"]["D"]["additionalProperties"] is False
+    assert props["extra"]["additionalProperties"] == {"type": "integer"} and props["free"] == {"type": "object"}
+    assert props["both"] == schema["properties"]["both"] and "additionalProperties" not in schema  # input untouched
+    named = tool_request([{"type": "function", "function": {"name": "f", "parameters": schema}}], "required", None)
+    assert named.parameters["f"] == closed
+
+
+@pytest.mark.parametrize("functions, call, message, param", [
+    ([], None, "non-empty list", "functions"),
+    ([{"name": "f", "params": {}}], None, "unknown field", "functions"),
+    ([{"name": "f"}], {"name": "g"}, "function_call must be", "function_call"),
+    ([{"name": "f"}], "required", "function_call must be", "function_call"),
+])
+def test_malformed_legacy_functions_are_400_naming_them(functions, call, message, param):
+    with pytest.raises(APIError, match=message) as raised:
+        legacy_tool_request(functions, call)
+    assert raised.value.param == param
+
+
+def test_legacy_functions_map_to_tools_and_answer_in_the_legacy_form():
+    """OpenAI's deprecated functions / function_call: the same tools and grammar, one call at most, the answer's
+    call as message.function_call and finish_reason "function_call" (as OpenAI answered them)."""
+    functions = [tool["function"] for tool in TOOLS]
+    legacy = legacy_tool_request(functions, {"name": "add"})
+    assert (legacy.tools, legacy.choice, legacy.max_calls, legacy.legacy) == (TOOLS, "add", 1, True)
+    assert legacy.grammar(True) == tool_request(TOOLS, {"type": "function", "function": {"name": "add"}},
+                                                False).grammar(True)
+    message, calls = legacy_tool_request(functions, "auto").answer("Hm " + block(*CALLS[1]) + block(*CALLS[0]))
+    assert message == {"role": "assistant", "content": "Hm ", "function_call": {"name": "add",
+                                                                              "arguments": '{"a": 1, "b": -2}'}}
+    assert calls == 1 and legacy.finish_reason("stop", calls) == "function_call"
+    parser = legacy.parser()
+    deltas = [legacy.delta(e) for e in parser.feed(block(*CALLS[1])[:40]) + parser.feed(block(*CALLS[1])[40:])]
+    assert deltas == [{"function_call": {"name": "add", "arguments": ""}},
+                      {"function_call": {"arguments": '{"a": 1, "b": -2}'}}]
+    assert legacy_tool_request(functions, None).choice == "auto"
+    modern = tool_request(TOOLS, "required", None)
+    assert modern.finish_reason("stop", 2) == "tool_calls" and modern.finish_reason("length", 2) == "length"
+    history = template_messages([{"role": "assistant", "content": None, "function_call": {
+        "name": "add", "arguments": '{"a": 1}'}}, {"role": "function", "name": "add", "content": "3"}])
+    assert history[0]["tool_calls"] == [{"id": "call_add", "type": "function",
+                                         "function": {"name": "add", "arguments": {"a": 1}}}]
+    assert history[1] == {"role": "tool", "tool_call_id": "call_add", "name": "add", "content": "3"}
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +270,7 @@ def test_grammar_allows_what_the_template_writes_and_nothing_else(qwen3):
     assert START not in tok.decode([i for i in ids if i != tok.token_id(START)])  # the tag is one token
     required = tool_request(TOOLS, "required", None).grammar(special_tags=True)
     assert accepts(ll, required, ids)
-    assert parse_tool_calls(tok.decode(ids))[1][1].arguments == '{"a": 1, "b": -2}'
+    assert parse(tok.decode(ids))[1][1].arguments == '{"a": 1, "b": -2}'
     single = tool_request(TOOLS, "required", False).grammar(special_tags=True)
     assert not accepts(ll, single, ids) and accepts(ll, single, tok.encode(block(*CALLS[0])))
     named = tool_request(TOOLS, {"type": "function", "function": {"name": "add"}}, None).grammar(special_tags=True)
@@ -185,6 +283,54 @@ def test_grammar_allows_what_the_template_writes_and_nothing_else(qwen3):
     spelled_out = tok.encode("<") + tok.encode(text[1:-len(END)]) + tok.encode("<") + tok.encode(END[1:])
     assert tok.decode(spelled_out) == text and tok.token_id(START) not in spelled_out
     assert accepts(ll, spelled, spelled_out) and not accepts(ll, spelled, tok.encode(text))
+
+
+def matcher_after(ll, grammar: str, ids: list[int]):
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(ll, LLMatcher.grammar_from_lark(grammar), log_level=0)
+    assert matcher.try_consume_tokens(ids) == len(ids)
+    return matcher
+
+
+def allowed(matcher) -> list[int]:
+    """The tokens `matcher` allows next."""
+    return np.flatnonzero(np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)).tolist()
+
+
+def test_grammar_ends_the_answer_after_the_last_call(qwen3):
+    """A named choice: exactly one call whatever parallel_tool_calls says, then only the end of the answer; no
+    whitespace before the first call or after the last; "required" with parallel calls: MAX_PARALLEL_CALLS at
+    most."""
+    tok, ll = qwen3
+    one, add = tok.encode(block(*CALLS[0])), tok.encode(block(*CALLS[1]))
+    for parallel in (None, True, False):
+        named = tool_request(TOOLS, {"type": "function", "function": {"name": "add"}}, parallel).grammar(True)
+        after = matcher_after(ll, named, add)
+        assert after.is_accepting() and not accepts(ll, named, add + tok.encode("\n") + add)
+        assert allowed(after) == [tok.eos_token_id]  # the answer ends
+    required = tool_request(TOOLS, "required", None).grammar(True)
+    for ws in (" ", "\n", "\n\n"):
+        assert not accepts(ll, required, tok.encode(ws) + one) and not accepts(ll, required, one + tok.encode(ws))
+    calls = one
+    for n in range(2, MAX_PARALLEL_CALLS + 2):
+        calls = calls + tok.encode("\n") + add
+        assert accepts(ll, required, calls) == (n <= MAX_PARALLEL_CALLS), n
+    last = matcher_after(ll, required, tok.encode("\n".join([block(*CALLS[0])] * MAX_PARALLEL_CALLS)))
+    assert allowed(last) == [tok.eos_token_id]
+
+
+def test_grammar_closes_open_schemas(qwen3):
+    """A parameters schema that does not forbid other keys is closed (the key a weak model adds forever is refused);
+    one that allows them keeps allowing them."""
+    tok, ll = qwen3
+    open_add = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    extra = tok.encode(block("f", {"a": 1, "zz": 2}))
+    for schema, allowed in [(open_add, False), ({**open_add, "additionalProperties": True}, True),
+                            ({**open_add, "additionalProperties": {"type": "integer"}}, True)]:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+        grammar = tool_request(tools, "required", None).grammar(True)
+        assert accepts(ll, grammar, tok.encode(block("f", {"a": 1}))) and accepts(ll, grammar, extra) == allowed
 
 
 def test_template_messages_turn_openai_calls_into_template_form():

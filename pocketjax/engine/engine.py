@@ -31,10 +31,12 @@ from .request import BatchedRequest, RequestStatus
 from .sampling import SampleOutput, SamplingParams
 from .slots import SlotTable
 from .speculative import Speculator, drafts_nothing
+from .processors import limits_of
 from .structured import Constrainer
 from .steps import (Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step, verified_inputs,
                     verify_sample_step, verify_step)
 from .warmup import compiled_count, warmup as warm_up
+from .weights import placed
 
 
 @dataclass(eq=False)
@@ -259,6 +261,9 @@ class Engine:
         if not isinstance(req.sampling, SamplingParams):
             raise RequestError(f"request {req.request_id!r}: sampling must be a SamplingParams")
         req.sampling.validate(vocab)
+        if req.sampling.bad_words and self.constrainer is None:
+            raise SamplingError(f"request {req.request_id!r}: SamplingParams.bad_words needs an engine with a "
+                                f"tokenizer (Engine(model, tokenizer=...); LLM passes its own)")
         self._check_hook(req)
         self._check_structured(req)
 
@@ -328,6 +333,9 @@ class Engine:
                 req.seed = req.sampling.seed if req.sampling.seed is not None else int(self.rng.integers(2**32))
             if req.sampling.structured is not None and req.matcher is None:
                 req.matcher = self.constrainer.start(req.sampling.structured)
+            if req.sampling.limited and req.limits is None:
+                req.limits = limits_of(req.sampling, self.model.config.vocab_size, sorted(self.eos_ids),
+                                       self.constrainer.tokenizer if self.constrainer is not None else None)
         results: dict[int, int] = {}
         while True:
             pending = [r for r in requests if r.status is RequestStatus.PREFILLING]
@@ -471,7 +479,7 @@ class Engine:
             sample = replace(sample, steps=np.array([len(r.generated_tokens) if r else 0 for r in held], np.int32))
         rows, plan, sample = decode_after(self.rules, after.rows, plan, sample, keep, tokens)
         step = PendingDecode(list(requests), rows, plan, sample, previous=after)
-        if any(r is not None and r.matcher is not None for r in rows):
+        if any(r is not None and self._masked_on_host(r, len(r.generated_tokens) + r.in_flight) for r in rows):
             after.following = step  # its sampler is queued when `after` is collected (`_dispatch` defers it)
         return step
 
@@ -594,11 +602,26 @@ class Engine:
         return [by_id.get(id(r)) for r in requests]
 
     # ---- structured outputs ----------------------------------------------------------------------------------
+    @staticmethod
+    def _masked_on_host(req: BatchedRequest, index: int) -> bool:
+        """Whether the mask of req's token number `index` needs the tokens before it (a grammar, a bad word of
+        several tokens, min_tokens not reached): its sampler then waits for them (`_sample_deferred`)."""
+        return req.matcher is not None or (req.limits is not None and req.limits.dynamic(index))
+
     def _constrain(self, sample: SamplePlan, rows: list[BatchedRequest | None]) -> SamplePlan:
-        """`sample` with the token masks of its constrained rows (None: no row is constrained, today's program)."""
-        if self.constrainer is None:
+        """`sample` with the token masks of its constrained and limited rows, every previous token of theirs
+        delivered: the grammar's mask and the bans that depend on the output so far, ANDed into the static masks
+        the plan carries (`processors.pack_limits`; None: no such row, today's program)."""
+        if sample.allowed is None:
             return sample
-        return replace(sample, allowed=self.constrainer.masks(rows))
+        allowed = np.array(sample.allowed)
+        grammar = self.constrainer.masks(rows) if self.constrainer is not None else None
+        if grammar is not None:
+            allowed &= grammar
+        for i, r in enumerate(rows):
+            if r is not None and r.limits is not None and not r.finished:
+                r.limits.ban(allowed[i], r.generated_tokens)
+        return replace(sample, allowed=allowed)
 
     def _sample_deferred(self, step: PendingDecode) -> None:
         """Queue the sampler of a step whose forward pass ran before its constrained rows' masks were known (their
@@ -687,3 +710,13 @@ class Engine:
         hooks in a step compiles its own prefill and decode programs, which `warmup` cannot know in advance.
         """
         return compiled_count()
+
+    def update_params(self, params: Any) -> None:
+        """Serve `params` from the next step on, with no recompile: the same tree, shapes and dtypes as the loaded
+        weights (a ConfigError names the first leaf that differs; nothing changes then). Leaves that already have
+        the engine's shardings are used as they are (no copy); others are placed onto them. Requests in flight
+        continue on the new weights from their next step (their cached K/V stay those of the old ones); every
+        cached prefix is forgotten, so no new request reuses K/V of the old weights. LoRA: pass the params with
+        the new adapter leaves (the frozen base leaves are the same arrays, so nothing of them is copied)."""
+        self.model = replace(self.model, params=placed(self.model.params, params))
+        self.slots.forget()

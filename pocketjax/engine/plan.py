@@ -22,7 +22,8 @@ import jax
 import numpy as np
 
 from .request import BatchedRequest
-from .sampling import MAX_LOGPROBS, SamplingArrays, SamplingParams, pack_sampling
+from .processors import pack_limits
+from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingArrays, SamplingParams, pack_sampling
 from .structured import all_allowed
 
 Rows = Sequence[BatchedRequest | None]  # one request per row; None: padding, or a row left out
@@ -137,9 +138,12 @@ class SamplePlan:
     steps: Any  # int32 [rows]: index of the token each row generates (the random stream's key is (seed, step))
     sampling: SamplingArrays
     prompt_masks: Any = None  # bool [rows, vocab]: each ending prompt's tokens; None for decode rows
-    # int32 [rows, ceil(vocab / 32)]: the tokens each row may take (structured outputs; unconstrained rows all
-    # ones); None when no row of the step is constrained, so such steps keep their treedef and programs
+    # int32 [rows, ceil(vocab / 32)]: the tokens each row may take (structured outputs, `processors.TokenLimits`;
+    # other rows all ones); None when no row of the step is constrained or limited, so such steps keep their
+    # treedef and programs. bias_ids / bias [rows, MAX_LOGIT_BIAS] (logit_bias, padded with id vocab) come with it.
     allowed: Any = None
+    bias_ids: Any = None
+    bias: Any = None
     num_top: int = static(0)  # top logprobs returned per row
 
     @property
@@ -241,7 +245,10 @@ def prefill_plans(rules: StepRules, chunks: Sequence[tuple[BatchedRequest, int]]
         return plan, None
     requests = [r for r, _ in chunks]
     sampling = pack_sampling([r.sampling for r in requests], [r.seed for r in requests], pad_to=rows)
-    return plan, SamplePlan(slots, final, np.zeros(rows, np.int32), sampling, masks, num_top=top_count(requests))
+    limits = pack_limits([r if final[i] else None for i, r in enumerate(requests)] + [None] * (rows - len(chunks)),
+                         rules.vocab_size) or (None, None, None)
+    return plan, SamplePlan(slots, final, np.zeros(rows, np.int32), sampling, masks, *limits,
+                            num_top=top_count(requests))
 
 
 def decode_rows(rules: StepRules, running: Sequence[BatchedRequest]) -> tuple[list[BatchedRequest | None], bool]:
@@ -269,7 +276,8 @@ def decode_plans(rules: StepRules, rows: Rows, dense: bool, tokens: Any, positio
                       hooks=hooks)
     sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in rows],
                              [r.seed if r else 0 for r in rows])
-    return plan, SamplePlan(slots, active, steps, sampling, num_top=top_count(rows))
+    limits = pack_limits(rows, rules.vocab_size) or (None, None, None)
+    return plan, SamplePlan(slots, active, steps, sampling, None, *limits, num_top=top_count(rows))
 
 
 def decode_from_host(rules: StepRules, running: Sequence[BatchedRequest], cached: Callable[[int], int]
@@ -424,8 +432,11 @@ def empty_plan(rules: StepRules, call: Signature, tokens: Any = None
     if call.step in SAMPLERS:
         sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
         masks = np.zeros((r, rules.vocab_size), bool) if call.step.startswith("sample_first") else None
-        allowed = all_allowed(r, rules.vocab_size) if call.step.endswith("_masked") else None
-        return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, allowed, num_top=call.num_top)
+        limits = (None, None, None)
+        if call.step.endswith("_masked"):
+            limits = (all_allowed(r, rules.vocab_size), np.full((r, MAX_LOGIT_BIAS), rules.vocab_size, np.int32),
+                      np.zeros((r, MAX_LOGIT_BIAS), np.float32))
+        return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, *limits, num_top=call.num_top)
     if call.step == "verify":
         return VerifyPlan(np.zeros((r, call.width), np.int32), zeros, zeros, zeros, kv_len=call.kv_len)
     if call.step == "sample_verify":

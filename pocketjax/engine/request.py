@@ -41,6 +41,8 @@ class BatchedRequest:
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)
     # with sampling.structured: its llguidance matcher, advanced by every delivered token (`structured.Constrainer`)
     matcher: Any = None
+    # with sampling.min_tokens / logit_bias / allowed_token_ids / bad_words: its `processors.TokenLimits`
+    limits: Any = None
     error: Exception | None = None  # why the engine ended it (finish_reason "error"): the grammar could not continue
 
     @property

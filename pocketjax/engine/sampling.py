@@ -39,6 +39,9 @@ PENALTY_RANGE = 2.0  # presence/frequency penalties live in [-2, 2] (OpenAI)
 MAX_STOP_STRINGS = 64  # stop strings per request: each is matched on the host after every token (OpenAI allows 4)
 MAX_STOP_CHARS = 4096  # their total length: the matcher's work per token grows with it
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request: the sampler's bias arrays have this fixed width (one program)
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias lies in [-100, 100]
+MAX_BAD_WORDS = 256  # bad words per request: each is matched against the output on the host before every token
 INT32_MAX = 2**31 - 1  # top_k is packed as int32
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # float fields are packed as float32
 
@@ -97,11 +100,38 @@ class SamplingParams:
     # What the output must match (a JSON schema, JSON object, regex, choice or grammar: `structured.Structured`);
     # the sampler only draws tokens it allows, and the reported logprobs are of that constrained distribution.
     structured: Structured | None = None
+    # vLLM's extras. EOS and stop_token_ids cannot be sampled, and stop strings are not looked for, before the
+    # min_tokens-th token.
+    min_tokens: int = 0
+    # token id -> bias added to its logit before sampling (OpenAI's logit_bias; a dict is kept as sorted pairs)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled (None: every token)
+    # words the output never contains (vLLM's rule: a word of several tokens bans its last token while the output
+    # ends with the others); tokenized by the engine's tokenizer, with and without a leading space
+    bad_words: tuple[str, ...] = ()
+    skip_special_tokens: bool = True  # text only: special tokens are left out of the decoded text
+    include_stop_str_in_output: bool = False  # text only: the stop string that ended the text is kept
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", _as_tuple(self.stop))
+        object.__setattr__(self, "bad_words", _as_tuple(self.bad_words))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", _as_tuple(self.allowed_token_ids))
+        if isinstance(self.logit_bias, dict):
+            try:
+                object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+            except TypeError:
+                pass  # mixed key types: validate() names it
+        elif isinstance(self.logit_bias, list):
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) if isinstance(pair, list) else pair
+                                                         for pair in self.logit_bias))
         object.__setattr__(self, "structured", as_structured(self.structured))  # a dict: dataclasses.asdict's form
+
+    @property
+    def limited(self) -> bool:
+        """True when the sampler needs this request's token masks or biases (`processors.TokenLimits`)."""
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids is not None or self.bad_words)
 
     @property
     def greedy(self) -> bool:
@@ -159,10 +189,43 @@ class SamplingParams:
             hash(self.hook)  # a static argument of the jitted steps
         except TypeError:
             fail("hook", "must be hashable (a function, or a frozen callable object)")
+        self._validate_limits(vocab_size)
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                fail(name, "must be a bool")
         if self.structured is not None:
             if not isinstance(self.structured, Structured):
                 fail("structured", "must be None or a pocketjax.Structured")
             self.structured.validate()
+
+
+    def _validate_limits(self, vocab_size: int | None) -> None:
+        """SamplingError naming the first of min_tokens, logit_bias, allowed_token_ids, bad_words that is wrong."""
+
+        def fail(name: str, why: str) -> None:
+            raise SamplingError(f"SamplingParams.{name} {why}, got {getattr(self, name)!r:.200}")
+
+        def ids_ok(ids: object) -> bool:
+            return all(_is_int(t) and 0 <= t < (vocab_size or INT32_MAX) for t in ids)
+
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            fail("min_tokens", "must be an int in [0, max_tokens]")
+        bias = self.logit_bias
+        if (not isinstance(bias, tuple) or not all(isinstance(p, tuple) and len(p) == 2 for p in bias)
+                or not ids_ok(t for t, _ in bias)):
+            fail("logit_bias", "must map token ids in the vocabulary to biases")
+        if not all(_is_real(b) and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE for _, b in bias):
+            fail("logit_bias", f"biases must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+        if len(bias) > MAX_LOGIT_BIAS or len({int(t) for t, _ in bias}) != len(bias):
+            fail("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} distinct token ids")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, tuple) or not allowed or not ids_ok(allowed)):
+            fail("allowed_token_ids", "must be None or a non-empty list of token ids in the vocabulary")
+        words = self.bad_words
+        if not isinstance(words, tuple) or not all(isinstance(w, str) and w.strip() for w in words):
+            fail("bad_words", "must be a list of non-blank strings")
+        if len(words) > MAX_BAD_WORDS or sum(map(len, words)) > MAX_STOP_CHARS:
+            fail("bad_words", f"must hold at most {MAX_BAD_WORDS} words of {MAX_STOP_CHARS} characters in all")
 
 
 @jax.tree_util.register_dataclass
@@ -238,8 +301,8 @@ def any_penalized(arrays: SamplingArrays) -> jax.Array:
 
 @partial(jax.jit, static_argnames=("num_top", "num_candidates"))
 def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array | None, output_counts: jax.Array | None,
-           steps: jax.Array, allowed: jax.Array | None = None, *, num_top: int = 0,
-           num_candidates: int = NUM_CANDIDATES) -> SampleOutput:
+           steps: jax.Array, allowed: jax.Array | None = None, bias_ids: jax.Array | None = None,
+           bias: jax.Array | None = None, *, num_top: int = 0, num_candidates: int = NUM_CANDIDATES) -> SampleOutput:
     """Returns each row's next token, its raw logprob and the raw top-`num_top` logprobs.
 
     logits f32[S, V] are the model's raw next-token logits; prompt_mask bool[S, V] and output_counts i32[S, V]
@@ -252,10 +315,14 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array | N
     disallowed logit to -inf first, before penalties, temperature and filtering, so the token AND the reported
     logprobs and top logprobs are those of the constrained distribution (a disallowed top entry is -inf). A row
     whose words are all ones is untouched bit for bit; None (no constrained row) compiles today's program.
+    `bias_ids` i32[S, K] / `bias` f32[S, K] (logit_bias; padding ids are V, dropped) are added to the masked
+    logits, so they too shape the token and its reported logprobs; a row with only padding is untouched.
     """
     logits = logits.astype(jnp.float32)
     if allowed is not None:
         logits = mask_logits(logits, allowed)
+    if bias is not None:
+        logits = add_bias(logits, bias_ids, bias)
     if prompt_mask is None:  # the caller knows no row penalizes (neutral penalties are an exact identity)
         penalize = lambda x: x  # noqa: E731
         greedy = _argmax(logits)
@@ -280,6 +347,13 @@ def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
     bits = (allowed[:, :, None] >> shifts) & 1  # arithmetic shift: bit 31 of a negative word is still read right
     keep = bits.reshape(allowed.shape[0], -1)[:, :logits.shape[-1]] == 1
     return jnp.where(keep, logits, -jnp.inf)
+
+
+def add_bias(logits: jax.Array, bias_ids: jax.Array, bias: jax.Array) -> jax.Array:
+    """f32[S, V] logits plus each row's sparse bias (ids i32[S, K], values f32[S, K]); ids >= V are dropped, so a
+    row's padding leaves its logits bit for bit."""
+    rows = lax.broadcasted_iota(jnp.int32, bias_ids.shape, 0)
+    return logits.at[rows, bias_ids].add(bias, mode="drop")
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> SampleOutput:

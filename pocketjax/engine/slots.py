@@ -30,6 +30,10 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+class Stale:
+    """The tag of K/V computed under weights since replaced: equal only to itself, so never shared."""
+
+
 @dataclass(frozen=True)
 class Allocation:
     slot: int
@@ -79,6 +83,10 @@ class SlotTable:
         self.free.remove(alloc.slot)
         self.owner[request_id] = alloc.slot
         return alloc
+
+    def forget(self) -> None:
+        """Share no slot's K/V again (the weights changed): each slot gets a tag equal to no request's."""
+        self.tags = [Stale() for _ in self.tags]
 
     def release(self, request_id: Any) -> int:
         """Give request_id's slot back; its cached tokens stay reusable. Returns the slot."""

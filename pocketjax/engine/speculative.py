@@ -144,9 +144,9 @@ class StepClock:
 
 
 def drafts_nothing(req: BatchedRequest) -> bool:
-    """Requests that never draft: structured outputs (their tokens are constrained by a mask the verify step does
-    not apply)."""
-    return getattr(req.sampling, "structured", None) is not None
+    """Requests that never draft: structured outputs and token limits (`processors`: their tokens are constrained
+    by a mask and bias the verify step does not apply)."""
+    return getattr(req.sampling, "structured", None) is not None or req.sampling.limited
 
 
 class Speculator:

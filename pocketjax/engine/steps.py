@@ -120,15 +120,17 @@ def sample_step(penalties: Penalties, logits: jax.Array, plan: SamplePlan) -> tu
     """The next token of every row, with its slot's penalties; counts the new tokens in the rows' slots.
 
     A plan with `prompt_masks` samples first tokens: those rows' penalty state restarts with their prompt. A plan
-    with `allowed` (structured outputs) samples only the tokens each row's bitmask allows (`sampling.sample`).
+    with `allowed` (structured outputs, `processors`) samples only the tokens each row's bitmask allows, plus its
+    logit_bias (`sampling.sample`).
     """
     rows = jnp.where(plan.rows_on, plan.slots, penalties.num_slots)  # a row aimed past the slots is dropped
     if plan.first:
         zeros = jnp.zeros(plan.prompt_masks.shape, jnp.int32)
-        out = sample(logits, plan.sampling, plan.prompt_masks, zeros, plan.steps, plan.allowed, num_top=plan.num_top)
+        out = sample(logits, plan.sampling, plan.prompt_masks, zeros, plan.steps, plan.allowed, plan.bias_ids,
+                     plan.bias, num_top=plan.num_top)
         return penalties.restart(rows, plan.prompt_masks).count(rows, out.tokens), out
     out = sample(logits, plan.sampling, penalties.prompt_mask[plan.slots], penalties.output_counts[plan.slots],
-                 plan.steps, plan.allowed, num_top=plan.num_top)
+                 plan.steps, plan.allowed, plan.bias_ids, plan.bias, num_top=plan.num_top)
     return penalties.count(rows, out.tokens), out
 
 

@@ -180,11 +180,16 @@ class Constrainer:
             if structured in self._compiled:
                 self._compiled.move_to_end(structured)
                 return self._compiled[structured]
-            matcher = LLMatcher(self._ll_tokenizer(), structured.grammar_text(), log_level=0)
-            if matcher.is_error():
-                raise StructuredOutputError(f"SamplingParams.structured.{structured.kind} does not compile: "
-                                            f"{matcher.get_error().strip()}")
-            self._compiled[structured] = matcher
+            tokenizer = self._ll_tokenizer()
+        # compiled without the lock: a slow grammar (seconds) must not hold up the scheduler's admissions, which
+        # take their (cached) matchers from here; two threads compiling one constraint both get a valid matcher
+        matcher = LLMatcher(tokenizer, structured.grammar_text(), log_level=0)
+        if matcher.is_error():
+            raise StructuredOutputError(f"SamplingParams.structured.{structured.kind} does not compile: "
+                                        f"{matcher.get_error().strip()}")
+        with self._lock:
+            matcher = self._compiled.setdefault(structured, matcher)
+            self._compiled.move_to_end(structured)
             if len(self._compiled) > self.cache_size:
                 self._compiled.popitem(last=False)
             return matcher

@@ -35,6 +35,17 @@ SAFETENSORS_DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
 }
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+FLOAT_DTYPES = frozenset(SAFETENSORS_DTYPES[k] for k in ("F64", "F32", "F16", "BF16"))  # what a weight can be
+
+
+def check_float(name: str, array: np.ndarray) -> np.ndarray:
+    """`array`, or a CheckpointError when it is stored as an integer or bool type: values, not weights (the
+    casting load would otherwise turn I32 bit patterns into weights without a word). Packed int4 tensors of a
+    prequantized checkpoint are checked by their own rules (prequantized.read_linear)."""
+    if array.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {name!r} is stored as {DTYPE_NAMES.get(array.dtype, array.dtype)}: a weight "
+                              f"must be F32, F16, BF16 or F64")
+    return array
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 MAX_RANK = 8
 INDEX_FILE = "model.safetensors.index.json"
@@ -233,6 +244,11 @@ def nest(config: ModelConfig, items: Iterable[tuple[tuple, Any]]) -> dict[str, A
 Placer = Callable[[tuple, np.ndarray], Any]
 
 
+def quantized_part(name: str, array: np.ndarray) -> np.ndarray:
+    """A stored part of an AWQ/GPTQ linear: its scales are floats (qweight, qzeros, g_idx: read_linear's rules)."""
+    return check_float(name, array) if name.endswith(".scales") else array
+
+
 def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Iterator[tuple[tuple, np.ndarray]]:
     """Yield (param path, host array) one tensor at a time, validated against the config."""
     tensors = open_checkpoint(folder)
@@ -249,9 +265,9 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
     for path, name, shape in param_tensors(config):
         if name in quantized:  # an AWQ/GPTQ QuantizedWeight, read into quant.py's [out, in] layout
             yield path, prequantized.read_linear(config.quantization, name.removesuffix(".weight"), *shape,
-                                                 lambda n: tensors[n].tensor(n))
+                                                 lambda n: quantized_part(n, tensors[n].tensor(n)))
             continue
-        array = tensors[name].tensor(name)
+        array = check_float(name, tensors[name].tensor(name))
         if tuple(array.shape) != shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, config implies {shape}")
         yield path, np.ascontiguousarray(array, dtype=dtype)

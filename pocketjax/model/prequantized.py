@@ -92,6 +92,8 @@ def read_linear(qc: QuantizationConfig, prefix: str, out_features: int, in_featu
                                   f"group_size {qc.group_size} implies {shape}")
         if name.endswith((".qweight", ".qzeros")) and array.dtype != np.int32:
             raise CheckpointError(f"tensor {name!r} is {array.dtype}, packed int4 must be int32")
+        if name.endswith(".g_idx") and array.dtype.kind not in "iu":
+            raise CheckpointError(f"tensor {name!r} is {array.dtype}, a group index must be an integer type")
         t[name.rsplit(".", 1)[1]] = array
     order = AWQ_ORDER if qc.method == "awq" else None
     q = unpack_nibbles(t["qweight"], axis=1 if qc.method == "awq" else 0, order=order)

@@ -40,7 +40,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--speculative-config", dest="speculative", metavar="JSON",
                         help='speculative decoding (vLLM\'s spelling), e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
-    p.add_argument("--warmup", action="store_true", help="compile every engine shape before the first request")
+    p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile every engine shape before the first request (default: on for serve, which only "
+                        "then listens, so no client waits for a compile; off for generate and chat)")
     job = p.add_argument_group("multi-process job (jax.distributed; unset: one process). Start the same command in "
                                "every process: process 0 takes the requests and prints, the others follow it")
     job.add_argument("--num-processes", dest="num_processes", type=int, help="processes in the job ($JAX_NUM_PROCESSES)")
@@ -88,7 +90,12 @@ def follows(llm) -> bool:
 def make_llm(args: argparse.Namespace):
     from .llm import LLM
     return LLM(args.model, engine_config(args), dtype=args.dtype, tp=args.tp, quantize=args.quantize,
-               revision=args.revision, warmup=args.warmup, scan_layers=scan_layers(args))
+               revision=args.revision, warmup=warms_up(args), scan_layers=scan_layers(args))
+
+
+def warms_up(args: argparse.Namespace) -> bool:
+    """--warmup / --no-warmup, else on for `serve` only (vLLM warms up before it reports ready)."""
+    return args.warmup if args.warmup is not None else args.command == "serve"
 
 
 def scan_layers(args: argparse.Namespace) -> bool | str:
@@ -180,8 +187,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     guard.add_argument("--body-timeout", type=float, default=30.0, help="seconds to receive a body (408 past it)")
     guard.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds for a request's headers to arrive before the connection is closed")
-    guard.add_argument("--max-connections", type=int, default=512,
-                       help="concurrent connections (503 past it); keep it under `ulimit -n`")
+    guard.add_argument("--max-connections", type=int, default=None,
+                       help="open connections (past it the one waiting longest for its headers is closed; requests "
+                            "past it get 503); default: 3/4 of `ulimit -n`, keeping the rest for the process's own "
+                            "files")
     guard.add_argument("--max-prompt-chars", type=int, default=None,
                        help="longest text prompt or conversation (default: 32 characters per token of --max-seq-len)")
 

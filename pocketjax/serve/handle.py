@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
@@ -31,9 +32,13 @@ class RequestHandle:
         self._completion: Completion | None = None
         self._error: BaseException | None = None
         self.cancel_requested = False
+        self.queued_at = time.perf_counter()
+        self.admitted_at: float | None = None  # when the scheduler gave it a slot (`admitted`)
         self._observer: Any = None  # told of each push and of the end: serve/metrics.py's RequestMetrics
-        self._detok = IncrementalDetokenizer(tokenizer, request.prompt_tokens) if tokenizer else None
-        self._matcher = StopStringMatcher(request.sampling.stop) if tokenizer else None
+        sp = request.sampling
+        self._detok = (IncrementalDetokenizer(tokenizer, request.prompt_tokens, sp.skip_special_tokens)
+                       if tokenizer else None)
+        self._matcher = StopStringMatcher(sp.stop) if tokenizer else None
 
     @property
     def request_id(self) -> Any:
@@ -43,6 +48,11 @@ class RequestHandle:
     def cached_prefix_len(self) -> int:
         """Prompt tokens this request found already cached in the engine (prefix reuse) when it was admitted."""
         return self.request.cached_prefix_len
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the text (None: no stop string did), which Anthropic's API reports back."""
+        return self._matcher.matched if self._matcher is not None else None
 
     # ---- caller side -------------------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -154,6 +164,10 @@ class RequestHandle:
             observer.ended(self, self._completion.finish_reason if self._completion is not None else None)
 
     # ---- producer side -----------------------------------------------------------------------------------------
+    def admitted(self) -> None:
+        """The request got a slot: its queue time ends (vLLM's request_queue_time_seconds)."""
+        self.admitted_at = time.perf_counter()
+
     @property
     def num_delivered(self) -> int:
         """How many token ids `push` has handed to readers so far."""
@@ -165,7 +179,7 @@ class RequestHandle:
         stopped, pieces = False, []
         for i, token in enumerate(tokens):
             if self._matcher is not None:
-                pieces.append(self._matcher.add(self._detok.add(token)))
+                pieces.append(self._text_of(token, len(self._tokens) + i))
                 if self._matcher.stopped:
                     tokens, stopped = tokens[: i + 1], True
                     break
@@ -177,6 +191,18 @@ class RequestHandle:
         if observer is not None and len(tokens):
             observer.delivered(self, len(tokens))
         return stopped
+
+    def _text_of(self, token: int, index: int) -> str:
+        """The text token number `index` releases. Stop strings are looked for in the text of tokens from
+        min_tokens on only (vLLM); with include_stop_str_in_output the stop string that ends the text is kept."""
+        sp = self.request.sampling
+        piece = self._detok.add(token)
+        if index < sp.min_tokens:
+            return piece
+        piece = self._matcher.add(piece)
+        if self._matcher.stopped and sp.include_stop_str_in_output:
+            piece += self._matcher.matched
+        return piece
 
     def finish(self, reason: str | None) -> None:
         """End the request with a Completion of the pushed tokens; readers and result() return."""

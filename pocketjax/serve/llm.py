@@ -32,8 +32,20 @@ class Score:
     greedy: bool  # every continuation token was the argmax, first index on ties (lm-eval's is_greedy)
 
 
+BYTES = (bytes, bytearray, memoryview)
+
+
+def refuse_bytes(value: Any, name: str) -> None:
+    """RequestError for bytes: a Sequence of ints in Python, they would otherwise pass for token ids."""
+    if isinstance(value, BYTES):
+        raise RequestError(f"{name} must be text (str) or token ids, got {type(value).__name__}: decode bytes first, "
+                           f"e.g. data.decode('utf-8')")
+
+
 def as_batch(prompts: Prompt | Sequence[Prompt], name: str = "prompts") -> list[Prompt]:
-    """A list of prompts: one string or one token-id list becomes a list of one (RequestError for anything else)."""
+    """A list of prompts: one string or one token-id list becomes a list of one (RequestError for anything else,
+    bytes included)."""
+    refuse_bytes(prompts, name)
     if not isinstance(prompts, (str, Sequence, np.ndarray)):
         raise RequestError(f"{name} must be a string, a list of token ids, or a list of strings or id lists, "
                            f"got {type(prompts).__name__}")
@@ -100,8 +112,18 @@ class LLM:
             self.scheduler.stop()
             self.started = False
 
+    def update_params(self, params: Any, *, finish_running: bool = False, timeout: float | None = None) -> None:
+        """Serve new weights (an RL loop's policy after each optimizer step) with no recompile and no new cache:
+        `Scheduler.update_params` swaps them at the next step boundary (the same tree, shapes and dtypes; a
+        ConfigError otherwise), requests in flight continue on them (`finish_running`: they finish on the old ones
+        first), cached prefixes are forgotten. `self.model` then holds them, so `pj.logits(llm.model, ...)` scores
+        with what generates."""
+        self.scheduler.update_params(params, finish_running=finish_running, timeout=timeout)
+        self.model = self.engine.model
+
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt: strings go through the tokenizer, id lists pass through."""
+        """Token ids of a prompt: strings go through the tokenizer, id lists pass through (bytes: RequestError)."""
+        refuse_bytes(prompt, "a prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("this model folder has no tokenizer.json: pass token ids instead of text")

@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..engine.request import Completion
 from ..engine.sampling import SamplingParams
 from ..engine.structured import Structured
-from .api_error import APIError, error_body  # noqa: F401 - re-exported: the request modules' error
+from .api_error import APIError  # noqa: F401 - re-exported: the request modules' error
 from .constraints import ConstraintFields
-from .tool_calls import ToolRequest, template_messages, tool_request
+from .tool_calls import ToolRequest, legacy_tool_request, template_messages, tool_request
 from .tokenizer import REPLACEMENT_CHAR, Tokenizer
 
 MAX_N = 64  # choices per request: each is a request of its own in the scheduler
@@ -51,13 +51,25 @@ class SamplingFields(BaseModel):
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Any] | None = None  # not supported: rejected when not empty
+    logit_bias: dict[str, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None  # accepted and ignored
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (never ambiguous)
 
     def check_supported(self) -> None:
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        """400 naming a field whose value this server cannot honour (subclasses add theirs)."""
+
+    def token_bias(self) -> dict[int, Any]:
+        """logit_bias with its keys as token ids (OpenAI sends them as strings); 400 for a key that is not one."""
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise APIError(400, f"logit_bias keys must be token ids, got {key!r:.40}", param="logit_bias")
+            out[int(key)] = bias
+        return out
+
+    def sampling_extras(self) -> dict[str, Any]:
+        """SamplingParams fields beyond the shared ones (the vLLM extras of `VllmFields`)."""
+        return {}
 
     def sampling(self, max_tokens: int, logprobs: int = 0, prompt_logprobs: int | None = None,
                  structured: Structured | None = None) -> SamplingParams:
@@ -71,11 +83,77 @@ class SamplingFields(BaseModel):
             given["top_k"] = 0 if self.top_k == -1 else self.top_k  # vLLM's -1 means off, as our 0
         if structured is not None:
             given["structured"] = structured
+        if self.logit_bias:
+            given["logit_bias"] = self.token_bias()
         return SamplingParams(max_tokens=max_tokens, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given)
+                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              **{**given, **self.sampling_extras()})
 
 
-class CompletionRequest(SamplingFields, ConstraintFields):
+class HarmlessFields(BaseModel):
+    """OpenAI fields accepted and ignored because they never change the output: bookkeeping for OpenAI's own
+    platform (metadata, store: this server stores nothing; service_tier; safety_identifier), caching and latency
+    hints (prompt_cache_key, prediction: a predicted output speeds OpenAI up, the answer is the same), and vLLM's
+    scheduling extras (priority: the order requests run in, never their tokens; request_id)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prediction: dict[str, Any] | None = None
+    priority: int | None = None
+    request_id: str | None = None
+
+
+class VllmFields(BaseModel):
+    """vLLM's extras that change the output, implemented with vLLM's names and meaning (`SamplingParams`)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    min_tokens: int | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None  # each prompt token's logprob and top-k, in the response's prompt_logprobs
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k (-1: as many as fit)
+    use_beam_search: bool | None = None  # not implemented: true is a 400
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.use_beam_search:
+            raise APIError(400, "use_beam_search is not supported (sampling and greedy only)", param="use_beam_search")
+        if self.truncate_prompt_tokens == 0:
+            raise APIError(400, "truncate_prompt_tokens must be -1 or >= 1", param="truncate_prompt_tokens")
+        if self.prompt_logprobs is not None and getattr(self, "stream", None):
+            raise APIError(400, "prompt_logprobs are not available when stream is true (as vLLM)",
+                           param="prompt_logprobs")
+
+    def prompt_top(self, echoed: int | None = None) -> int | None:
+        """Top logprobs the engine records per prompt token: what prompt_logprobs and `echoed` (completions' echo
+        with logprobs) ask for, the larger (None: neither)."""
+        asked = [k for k in (self.prompt_logprobs, echoed) if k is not None]
+        return max(asked) if asked else None
+
+    def sampling_extras(self) -> dict[str, Any]:
+        given = {name: getattr(self, name) for name in ("min_tokens", "include_stop_str_in_output",
+                                                        "skip_special_tokens", "allowed_token_ids", "bad_words")}
+        return {name: value for name, value in given.items() if value is not None}
+
+    def truncated(self, prompt: list[int], max_seq_len: int) -> list[int]:
+        """The prompt's last truncate_prompt_tokens tokens (-1: the most the context holds with one to generate)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return prompt
+        k = max_seq_len - 1 if k == -1 else k
+        return prompt[-k:]
+
+
+class CompletionRequest(VllmFields, HarmlessFields, SamplingFields, ConstraintFields):
+    """POST /v1/completions' body: a field not declared here (or in its bases) is a 400 naming it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = None
     logprobs: int | None = None
@@ -90,7 +168,10 @@ class CompletionRequest(SamplingFields, ConstraintFields):
             raise APIError(400, "best_of other than n is not supported", param="best_of")
 
 
-class ChatCompletionRequest(SamplingFields, ConstraintFields):
+class ChatCompletionRequest(VllmFields, HarmlessFields, SamplingFields, ConstraintFields):
+    """POST /v1/chat/completions' body: a field not declared here (or in its bases) is a 400 naming it."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
     messages: list[dict[str, Any]] = Field(min_length=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -99,18 +180,81 @@ class ChatCompletionRequest(SamplingFields, ConstraintFields):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None  # OpenAI's deprecated tools: mapped to tools (tool_calls.legacy_tool_request)
+    function_call: str | dict[str, Any] | None = None  # ... and tool_choice; the answer says function_call
+    echo: bool | None = None  # vLLM: the last message's content starts the reply when it has the reply's role
+    add_generation_prompt: bool | None = None  # default true
+    continue_final_message: bool | None = None  # the reply continues the last (assistant) message
+    chat_template: str | None = None  # a name of the checkpoint's templates, or (trusted servers) a template
+    reasoning_effort: str | None = None  # Qwen3's enable_thinking: none/minimal/low -> off, medium/high -> on
+    modalities: list[str] | None = None  # ["text"] only
 
     def check_supported(self) -> None:
         super().check_supported()
         if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError(400, "Cannot set both continue_final_message and add_generation_prompt to true",
+                           param="continue_final_message")
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise APIError(400, f"modalities: this server answers with text only, got {self.modalities!r:.60}",
+                           param="modalities")
+        if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
+            raise APIError(400, f"reasoning_effort must be one of {sorted(REASONING_EFFORTS)}", param="reasoning_effort")
+
+    def reply_role(self) -> str:
+        """The role of the message being written (vLLM): the assistant's after a generation prompt, else the last
+        message's (it is continued)."""
+        if self.add_generation_prompt is False or self.continue_final_message:
+            return str(self.messages[-1].get("role", "assistant"))
+        return "assistant"
+
+    def echoed(self) -> str:
+        """What `echo` puts before each reply (vLLM): the last message's content when its role is the reply's."""
+        last = self.chat_messages()[-1] if self.echo else {}
+        return (last.get("content") or "") if last.get("role") == self.reply_role() else ""
+
+    def template_options(self, trusted: bool, templates: dict[str, str]) -> dict[str, Any]:
+        """apply_chat_template's keywords: `template_options` of chat_template_kwargs, then the generation prompt,
+        continue_final_message, the top-level chat_template (a checkpoint template's name, or a template where
+        `trusted`) and reasoning_effort as enable_thinking where the template reads it; 400 naming the field."""
+        options = template_options(self.chat_template_kwargs, trusted)
+        if self.continue_final_message:
+            options.update(add_generation_prompt=False, continue_final_message=True)
+        elif self.add_generation_prompt is not None:
+            options["add_generation_prompt"] = self.add_generation_prompt
+        if self.chat_template is not None:
+            if self.chat_template not in templates and not trusted:
+                raise APIError(400, f"chat_template must name one of this model's templates {sorted(templates)}: "
+                                    f"request-supplied chat templates are off on this server (pocketjax serve "
+                                    f"--trust-request-chat-template turns them on)", param="chat_template",
+                               code="chat_template_not_allowed")
+            options["chat_template"] = self.chat_template
+        if self.reasoning_effort is not None:
+            chosen = options.get("chat_template")
+            default = templates.get("default") or (next(iter(templates.values())) if len(templates) == 1 else "")
+            source = default if chosen is None else templates.get(chosen, chosen)
+            if "enable_thinking" not in source:
+                raise APIError(400, "reasoning_effort: this model's chat template has no enable_thinking switch",
+                               param="reasoning_effort")
+            options.setdefault("enable_thinking", REASONING_EFFORTS[self.reasoning_effort])
+        return options
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_messages(self.messages)
 
     def tool_request(self) -> ToolRequest | None:
-        """The request's checked tools (None without tools); 400 naming tools or tool_choice when malformed."""
-        return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        """The request's checked tools (None without tools), from `tools` or the legacy `functions`; 400 naming the
+        field when malformed or when both forms are given."""
+        if self.functions is None and self.function_call is None:
+            return tool_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        mixed = [name for name in ("tools", "tool_choice", "parallel_tool_calls") if getattr(self, name) is not None]
+        if mixed:
+            raise APIError(400, f"functions / function_call (deprecated) cannot be combined with {mixed[0]}",
+                           param=mixed[0])
+        if self.functions is None:
+            raise APIError(400, "function_call needs functions", param="function_call")
+        return legacy_tool_request(self.functions, self.function_call)
 
 
 def chat_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -277,15 +421,44 @@ def chat_logprobs(text_of: TokenText, tokens: Sequence[int], entries: Sequence[E
     return {"content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def trimmed(entries: Sequence[Entry | None], n: int) -> list[Entry | None]:
+    """Prompt logprob entries with their n best top logprobs (the engine records the most any field asked for)."""
+    return [None if e is None else (e[0], dict(list(e[1].items())[:n])) for e in entries]
+
+
+def prompt_logprobs(text_of: TokenText, tokens: Sequence[int], entries: Sequence[Entry | None],
+                    k: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}
+    holding the token itself and the k most likely. `rank` is 1-based among the vocabulary; a prompt token
+    outside the recorded top has rank null (the engine does not rank the whole vocabulary)."""
+    out: list[dict[str, Any] | None] = []
+    for token, entry in zip(tokens, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        logprob, top = entry
+        ranked = list(top)
+        item = {str(t): {"logprob": lp, "rank": r, "decoded_token": text_of(t)}
+                for r, (t, lp) in enumerate(list(top.items())[:k], 1)}
+        item.setdefault(str(token), {"logprob": logprob, "rank": ranked.index(token) + 1 if token in top else None,
+                                     "decoded_token": text_of(token)})
+        out.append(item)
+    return out
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens the prefix cache already held (not prefilled again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def finish_reason(completion: Completion) -> str:
     return completion.finish_reason or "stop"
 
 
+# reasoning_effort -> Qwen3's enable_thinking: the low efforts answer without thinking, the others think
+REASONING_EFFORTS = {"none": False, "minimal": False, "low": False, "medium": True, "high": True, "xhigh": True}
 # chat_template_kwargs set template variables only: these would replace the template or the conversation
 RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "conversation", "tools", "documents",
                                       "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",

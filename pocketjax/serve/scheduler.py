@@ -34,6 +34,7 @@ from ..engine.engine import Engine, PendingDecode, PendingVerify
 from ..engine.request import BatchedRequest, RequestStatus
 from ..engine.sampling import SamplingParams
 from ..engine.slots import hashable
+from ..engine.weights import placed
 from ..errors import (CapacityError, ConfigError, DistributedError, NumericsError, PocketJaxError, RequestError,
                       StoppedError)
 from .distributed import ProcessGroup
@@ -70,6 +71,8 @@ class Scheduler:
         self._stopping = False
         self._stopped = False  # stop() was called (or the loop died) and start() not since: submit refuses
         self._error: DistributedError | None = None  # why a multi-process loop died: later submits raise it
+        # new weights to serve from the next step boundary: (params, wait for the running requests, applied event)
+        self._updates: deque[tuple[Any, bool, threading.Event]] = deque()
         # how submits, cancellations and stops reach the queues: at once, or in lockstep with the other processes of
         # a job (process 0 then steps at least every keepalive_s, so a dead peer is noticed even when idle)
         self.lockstep = protocol(group, self.waiting, self._live, self._open, engine.validate, keepalive_s)
@@ -84,8 +87,18 @@ class Scheduler:
         so a caller handles every per-request failure in one place (result() or the stream).
         """
         ids = isinstance(prompt_tokens, (Sequence, np.ndarray)) and not isinstance(prompt_tokens, str)
-        prompt = list(prompt_tokens) if ids else prompt_tokens  # anything else fails its handle in _check
+        prompt = list(prompt_tokens) if ids else prompt_tokens  # anything else fails its handle in _validate
         request = BatchedRequest(request_id, prompt, SamplingParams() if sampling is None else sampling)
+        # validated outside the lock, under the id it will have: compiling a constraint (seconds at Qwen's
+        # vocabulary) must not stall the scheduler loop nor other submitters
+        request.request_id = f"req-{next(self._ids)}" if request_id is None else request_id
+        try:
+            self._validate(request)
+        except PocketJaxError as error:
+            invalid = error
+        else:
+            invalid = None
+        assigned, request.request_id = request.request_id, request_id  # a follower matches process 0's by the given id
         with self._cond:
             if self._error is not None:
                 raise self._error
@@ -96,9 +109,10 @@ class Scheduler:
                 return claimed
             if len(self.waiting) + self.lockstep.held() >= self.max_waiting:
                 raise CapacityError(f"waiting queue is full ({self.max_waiting} requests)")
-            if request_id is None:
-                request.request_id = f"req-{next(self._ids)}"
+            request.request_id = assigned
             try:
+                if invalid is not None:
+                    raise invalid
                 self._check(request)
             except PocketJaxError as error:
                 handle = RequestHandle(request)
@@ -118,8 +132,40 @@ class Scheduler:
             self.lockstep.cancel(handle)
             self._cond.notify_all()
 
+    def update_params(self, params: Any, *, finish_running: bool = False, timeout: float | None = None) -> None:
+        """Serve `params` from the next step boundary on (`Engine.update_params`: same tree, shapes and dtypes, no
+        recompile; a ConfigError here, in the caller's thread, changes nothing). Returns once they are in use.
+
+        Requests in flight continue on the new weights from their next step; with `finish_running` the running
+        ones finish on the old weights first while no new request is admitted (the waiting ones then start on the
+        new). One process only: in a multi-process job the processes would swap at different steps."""
+        if self.group is not None:
+            raise ConfigError("update_params in a multi-process job: the processes would swap at different steps; "
+                              "update each process's Engine between steps instead")
+        params = placed(self.engine.model.params, params)
+        applied = threading.Event()
+        with self._cond:
+            self._updates.append((params, finish_running, applied))
+            if self._thread is None:  # no loop: apply now unless running requests must finish first (step() does)
+                self._apply_updates()
+                return
+            self._cond.notify_all()
+        if not applied.wait(timeout):
+            raise TimeoutError(f"the new params were not in use within {timeout} s (running requests still finishing)")
+
+    def _apply_updates(self) -> None:
+        """Swap in the weights waiting for a step boundary (this is one); one that waits for the running requests
+        stays queued, and admission with it, until they finished. Holds `self._cond`."""
+        while self._updates:
+            params, finish_running, applied = self._updates[0]
+            if finish_running and self.running:
+                return
+            self.engine.update_params(params)
+            self._updates.popleft()
+            applied.set()
+
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._updates)
 
     # ---- the loop ------------------------------------------------------------------------------------------------
     def step(self) -> bool:
@@ -132,7 +178,9 @@ class Scheduler:
             return False
         with self._cond:
             self._retire_cancelled()
-            self._admit()
+            self._apply_updates()
+            if not self._updates:  # weights waiting for the running requests to finish: admit nobody meanwhile
+                self._admit()
             batch = list(self.running)
         prefilling = [h for h in batch if h.request.status is RequestStatus.PREFILLING]
         decoding = [h for h in batch if h.request.status is RequestStatus.DECODING]
@@ -217,17 +265,21 @@ class Scheduler:
             raise
 
     # ---- internals (the loop thread; `self._cond` held where noted) ----------------------------------------------
+    def _validate(self, request: BatchedRequest) -> None:
+        """Raise the typed error a request would hit later, so it fails at submit: what needs no scheduler state
+        (the engine's checks, its constraint compiled), run without the lock."""
+        self.engine.validate(request)
+        if request.sampling.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a Scheduler created with a tokenizer")
+        StopStringMatcher(request.sampling.stop)
+
     def _check(self, request: BatchedRequest) -> None:
-        """Raise the typed error a request would hit later, so it fails at submit. Holds `self._cond`."""
+        """The checks against requests in flight and the job's other processes. Holds `self._cond`."""
         if not hashable(request.request_id):
             raise RequestError(f"request_id must be hashable, got {type(request.request_id).__name__}")
         if request.request_id in self._live:
             raise RequestError(f"request_id {request.request_id!r} is already in flight")
         self.lockstep.check(request)
-        self.engine.validate(request)
-        if request.sampling.stop and self.tokenizer is None:
-            raise RequestError("stop strings need a Scheduler created with a tokenizer")
-        StopStringMatcher(request.sampling.stop)
 
     def _admit(self) -> None:
         """Move waiting requests, oldest first, into free slots (the engine picks the slot with the longest
@@ -240,6 +292,7 @@ class Scheduler:
                 self._live.pop(handle.request_id, None)
                 handle.fail(error)
                 continue
+            handle.admitted()
             self.running.append(handle)
 
     def _run(self, handles: list[RequestHandle], call, *args: Any, alone=None, **kwargs: Any) -> Any:

@@ -8,17 +8,13 @@ cancels its handles, which frees their slots at the next step.
 """
 from __future__ import annotations
 
-import asyncio
-import functools
-import hmac
 import json
 import logging
 import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -28,18 +24,19 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.request import Completion
-from ..engine.structured import Structured
-from ..errors import (CapacityError, CheckpointError, ConfigError, PocketJaxError, RequestError, StoppedError,
-                      StructuredOutputError)
+from ..errors import CapacityError, CheckpointError, ConfigError, PocketJaxError, RequestError, StoppedError
+from .anthropic_messages import messages_router
+from .api_error import error_body
+from .context import ServeContext, finish_all, merged
 from .handle import RequestHandle
-from .http_guard import HTTPGuard, ServerLimits
-from .metrics import HTTPCounter, RequestMetrics, metrics_router
+from .http_guard import HTTP_PROTOCOL, MISSING_KEY, HTTPGuard, ServerLimits, key_given
+from .metrics import HTTPCounter, RequestMetrics, metrics_router, prompt_groups
 from .openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, StreamOptions,
-                              TokenText, chat_logprobs, completion_logprobs, error_body, finish_reason,
-                              template_options, usage, with_seed)
+                              TokenText, chat_logprobs, completion_logprobs, finish_reason,
+                              prompt_logprobs, trimmed, usage, with_seed)
 from .responses import responses_router
 from .tokenization import tokenization_router
-from .tool_calls import END as TOOL_CALL_END, START as TOOL_CALL_START, ToolCallParser, ToolRequest, parse_tool_calls
+from .tool_calls import ToolRequest
 
 if TYPE_CHECKING:
     from .llm import LLM
@@ -47,8 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("pocketjax.server")
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
-MAX_JSON_DEPTH = 32  # nesting of messages and chat_template_kwargs (templates read a few levels)
-HOST_WORKERS = 4  # threads that render templates and tokenize, off the event loop
 # A 429 (queue full) says when to retry: the queue drains as requests finish, seconds at most for a typical load;
 # the openai client waits Retry-After (when <= 60 s) instead of its own 0.5-8 s backoff.
 RETRY_AFTER_S = 1
@@ -79,27 +74,22 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     app = FastAPI(title="pocketjax", version="0.1.0")
     install_error_handlers(app)
     app.add_middleware(HTTPGuard, api_key=api_key, limits=limits)
-    max_chars = limits.prompt_chars(llm.engine.max_seq_len)
-    pool = ThreadPoolExecutor(HOST_WORKERS, thread_name_prefix="pocketjax-host")
-
-    async def off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """fn(*args) on a host thread: templates and tokenization never stall the event loop (other clients)."""
-        return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args, **kwargs))
-
-    def encode(prompt: str | list) -> list[int]:
-        if isinstance(prompt, str) and len(prompt) > max_chars:
-            raise APIError(400, f"prompt of {len(prompt)} characters is over this server's limit of {max_chars}",
-                           param="prompt", code="prompt_too_long")
-        return llm.encode(prompt)
     metrics = app.state.metrics = RequestMetrics(llm, name)
     app.add_middleware(HTTPCounter, metrics=metrics)
+    ctx = app.state.context = ServeContext(llm, name, limits, metrics, created)
+    off_loop, encode, budget = ctx.off_loop, ctx.encode, ctx.budget
+    if llm.engine.constrainer is not None:
+        # llguidance builds its view of the vocabulary holding the GIL (~1 s at Qwen's): no host thread keeps the
+        # event loop free through that, so it is built now, before the first request, warm-up or not
+        llm.engine.constrainer.prepare()
 
     async def authorize(request: Request) -> None:
         if api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer KEY)", code="invalid_api_key")
+        headers = request.headers
+        if not key_given(api_key.encode(), headers.get("authorization", "").encode(),
+                         headers.get("x-api-key", "").encode()):
+            raise APIError(401, MISSING_KEY, code="invalid_api_key")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)])
 
@@ -109,27 +99,23 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
         return {"status": "ok", "running": len(sched.running), "waiting": len(sched.waiting),
                 "free_slots": llm.engine.num_free_slots}
 
+    def model_card() -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "pocketjax",
+                "max_model_len": llm.engine.max_seq_len}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                            "owned_by": "pocketjax", "max_model_len": llm.engine.max_seq_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str) -> dict[str, Any]:
+        """One model's card (`client.models.retrieve`); a name this server does not serve is a 404."""
+        ctx.check_model(model)
+        return model_card()
 
     def check(body: SamplingFields) -> None:
-        if body.model is not None and body.model != name:
-            raise APIError(404, f"The model `{body.model}` does not exist (this server serves `{name}`)",
-                           param="model", code="model_not_found")
+        ctx.check_model(body.model)
         body.check_supported()
-
-    def budget(prompt: Sequence[int], asked: int | None, default: int | None) -> int:
-        """max_tokens for a prompt: asked, or the default (None: the rest of the context); 400 past the context."""
-        room = llm.engine.max_seq_len - len(prompt)
-        max_tokens = (room if default is None else default) if asked is None else asked
-        if room < 1 or max_tokens > room:
-            raise APIError(400, f"This model's maximum context length is {llm.engine.max_seq_len} tokens. However, "
-                                f"you requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the prompt, "
-                                f"{max_tokens} for the completion).", param="prompt" if room < 1 else "max_tokens",
-                           code="context_length_exceeded")
-        return max_tokens
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -139,6 +125,7 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
             raise APIError(400, f"{len(prompts)} prompts x n={body.n or 1} is over this server's limit of "
                                 f"{limits.max_choices} completions per request", param="n")
         ids = [await off_loop(encode, p) if isinstance(p, str) else encode(p) for p in prompts]
+        ids = [body.truncated(p, llm.engine.max_seq_len) for p in ids]
         echo, top, as_ids = bool(body.echo), body.logprobs, bool(body.return_tokens_as_token_ids)
         if body.stream and echo and top is not None:
             raise APIError(400, "echo with logprobs is not supported when streaming", param="echo")
@@ -154,16 +141,17 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
             # scoring generates one token for the prompt's logprobs, then drops it; without logprobs nothing runs
             asked = 1 if score_only else body.max_tokens
             sampling = body.sampling(budget(prompt, asked, COMPLETIONS_MAX_TOKENS), top or 0,
-                                     top if echo and top is not None else None, structured)
+                                     body.prompt_top(top if echo else None), structured)
             jobs += [(prompt, with_seed(sampling, i)) for i in range(n)]
         if score_only and top is None:
             jobs = []
         reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", name,
-                      submit_all(llm, jobs, "prompt" if len(ids) > 1 else "n", metrics, constrained_by),
+                      await ctx.submit(jobs, "prompt" if len(ids) > 1 else "n", constrained_by),
                       sum(len(p) for p in ids),
                       body.stream_options)
-        heads = [(p if isinstance(p, str) else llm.tokenizer.decode(p, skip_special_tokens=False)) if echo else ""
-                 for p in prompts for _ in range(n)]
+        heads = [(p if isinstance(p, str) and body.truncate_prompt_tokens is None
+                  else llm.tokenizer.decode(i, skip_special_tokens=False)) if echo else ""
+                 for p, i in zip(prompts, ids) for _ in range(n)]
         if body.stream:
             events = (echo_events(reply, heads) if score_only else
                       completion_events(reply, heads, top, text_of, as_ids))
@@ -174,7 +162,7 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
             if score_only:
                 logprobs = None
                 if out is not None:
-                    entries = list(out.prompt_logprobs)
+                    entries = trimmed(out.prompt_logprobs, top)
                     logprobs = completion_logprobs(text_of, out.prompt_tokens, entries, as_ids=as_ids)
                 choices.append({"index": i, "text": head, "logprobs": logprobs, "finish_reason": "length"})
                 continue
@@ -182,10 +170,13 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
             if top is not None:
                 tokens, entries = out.token_ids, out.logprobs[:len(out.token_ids)]
                 if echo:
-                    tokens, entries = out.prompt_tokens + tokens, list(out.prompt_logprobs) + entries
+                    tokens, entries = out.prompt_tokens + tokens, trimmed(out.prompt_logprobs, top) + entries
                 logprobs = completion_logprobs(text_of, tokens, entries, as_ids=as_ids)
             choices.append({"index": i, "text": head + out.text, "logprobs": logprobs,
                             "finish_reason": finish_reason(out)})
+            if body.prompt_logprobs is not None:  # vLLM's extra, per choice
+                choices[-1]["prompt_logprobs"] = prompt_logprobs(text_of, out.prompt_tokens, out.prompt_logprobs,
+                                                                 body.prompt_logprobs)
         return reply.body(choices, 0 if score_only else reply.completion_tokens())
 
     @v1.post("/chat/completions")
@@ -194,43 +185,42 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
         if (body.n or 1) > limits.max_choices:
             raise APIError(400, f"n={body.n} is over this server's limit of {limits.max_choices} completions per "
                                 f"request", param="n")
-        options = template_options(body.chat_template_kwargs, trust_request_chat_template)
+        options = body.template_options(trust_request_chat_template, llm.tokenizer.chat_templates)
         messages = body.chat_messages()
-        if (json_size(messages, "messages") + json_size(options, "chat_template_kwargs")
-                + json_size(body.tools, "tools") > max_chars):
-            raise APIError(400, f"the conversation is over this server's limit of {max_chars} characters",
-                           param="messages", code="prompt_too_long")
+        ctx.check_size("messages", messages=messages, chat_template_kwargs=options, tools=body.tools,
+                       functions=body.functions)
         tools = await off_loop(body.tool_request)  # compiles each tool's parameters schema
-        structured, constrained_by = body.constraint()
-        if tools is not None and tools.enforced:
-            if structured is not None:
-                raise APIError(400, f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot "
-                                    f"take {constrained_by} too", param=constrained_by)
-            structured, constrained_by = Structured(grammar=tools.grammar(special_tool_tags(llm))), "tools"
+        structured, constrained_by = ctx.answer_constraint(tools, *body.constraint())
         prompt = await off_loop(render_prompt, llm, messages, options, encode, tools)
+        prompt = body.truncated(prompt, llm.engine.max_seq_len)
         top = (body.top_logprobs or 0) if body.logprobs else None
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        sampling = body.sampling(budget(prompt, asked, None), top or 0, structured=structured)
-        handles = submit_all(llm, [(prompt, with_seed(sampling, i)) for i in range(body.n or 1)], "n", metrics,
-                             constrained_by)
-        parsing = tools is not None and tools.parsed
+        sampling = body.sampling(budget(prompt, asked, None), top or 0, body.prompt_logprobs, structured=structured)
+        handles = await ctx.submit([(prompt, with_seed(sampling, i)) for i in range(body.n or 1)], "n",
+                                   constrained_by)
         as_ids = bool(body.return_tokens_as_token_ids)
         reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", name, handles, len(prompt),
                       body.stream_options)
+        head = body.echoed()
         if body.stream:
-            return sse_response(chat_events(reply, top, text_of, as_ids, parsing))
+            return sse_response(echo_first(chat_events(reply, top, text_of, as_ids, tools), reply, head))
         choices = []
-        for i, out in enumerate(await finish_all(request, handles)):
-            message, calls = chat_message(out.text, parsing)
+        outs = await finish_all(request, handles)
+        for i, out in enumerate(outs):
+            message, calls = chat_message(out.text, tools)
+            if head:
+                message["content"] = head + (message["content"] or "")
             choices.append({"index": i, "message": message,
                             "logprobs": (chat_logprobs(text_of, out.token_ids, out.logprobs[:len(out.token_ids)],
                                                        as_ids) if top is not None else None),
-                            "finish_reason": chat_finish_reason(out, calls)})
-        return reply.body(choices, reply.completion_tokens())
+                            "finish_reason": chat_finish_reason(out, calls, tools)})
+        answer = reply.body(choices, reply.completion_tokens())
+        if body.prompt_logprobs is not None:  # vLLM's extra, once for the (shared) prompt
+            answer["prompt_logprobs"] = prompt_logprobs(text_of, prompt, outs[0].prompt_logprobs, body.prompt_logprobs)
+        return answer
 
-    v1.include_router(responses_router(llm, name, check, budget,
-                                       lambda jobs, param, constrained_by=None: submit_all(
-                                           llm, jobs, param, metrics, constrained_by), finish_all, merged))
+    v1.include_router(responses_router(ctx))
+    v1.include_router(messages_router(ctx))
     app.include_router(v1)
     app.include_router(tokenization_router(llm, name), dependencies=[Depends(authorize)])
     app.include_router(metrics_router(metrics))
@@ -253,40 +243,18 @@ def render_prompt(llm: LLM, messages: list[dict[str, Any]], options: dict[str, A
     return encode(text)
 
 
-def special_tool_tags(llm: LLM) -> bool:
-    """True when the tokenizer has <tool_call> and </tool_call> as tokens of their own (Qwen2.5's and Qwen3's do)."""
-    return all(llm.tokenizer.token_id(tag) is not None for tag in (TOOL_CALL_START, TOOL_CALL_END))
-
-
-def chat_message(text: str, parsing: bool) -> tuple[dict[str, Any], int]:
-    """The assistant message of an answer and how many tool calls it made: with `parsing`, its <tool_call> blocks
-    as `tool_calls` and the text around them as content (None when there is none)."""
-    if not parsing:
+def chat_message(text: str, tools: ToolRequest | None) -> tuple[dict[str, Any], int]:
+    """The assistant message of an answer and how many tool calls it made: with tools whose calls are parsed, the
+    text before the first call as content and the calls as `tool_calls` (`ToolRequest.answer`)."""
+    if tools is None or not tools.parsed:
         return {"role": "assistant", "content": text}, 0
-    content, calls = parse_tool_calls(text)
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [call.message() for call in calls]
-    return message, len(calls)
+    return tools.answer(text)
 
 
-def chat_finish_reason(completion: Completion, calls: int) -> str:
+def chat_finish_reason(completion: Completion, calls: int, tools: ToolRequest | None = None) -> str:
     """"tool_calls" for an answer that ended on its own after making calls; else the completion's own reason."""
     reason = finish_reason(completion)
-    return "tool_calls" if calls and reason == "stop" else reason
-
-
-def json_size(value: Any, param: str, depth: int = 0) -> int:
-    """Characters of the strings and keys in a JSON value; 400 past MAX_JSON_DEPTH levels of nesting."""
-    if depth > MAX_JSON_DEPTH:
-        raise APIError(400, f"{param} nests deeper than {MAX_JSON_DEPTH} levels", param=param)
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(len(str(k)) + json_size(v, param, depth + 1) for k, v in value.items())
-    if isinstance(value, list):
-        return sum(json_size(v, param, depth + 1) for v in value)
-    return 1
+    return reason if tools is None else tools.finish_reason(reason, calls)
 
 
 @dataclass
@@ -304,12 +272,17 @@ class Reply:
     def completion_tokens(self) -> int:
         return sum(h.num_delivered for h in self.handles)
 
+    def cached_tokens(self) -> int:
+        """Prompt tokens the prefix cache held, each prompt counted once (as `prompt_tokens` counts it): what its
+        first choice reused."""
+        return sum(group[0].cached_prefix_len for group in prompt_groups(self.handles))
+
     def body(self, choices: list[dict], completion_tokens: int | None = None, chunk: bool = False) -> dict[str, Any]:
         """The response (or, with `chunk`, one stream chunk); with `completion_tokens` it carries usage."""
         out = {"id": self.id, "object": self.object + (".chunk" if chunk and self.object != "text_completion" else ""),
                "created": int(time.time()), "model": self.model, "choices": choices}
         if completion_tokens is not None:
-            out["usage"] = usage(self.prompt_tokens, completion_tokens)
+            out["usage"] = usage(self.prompt_tokens, completion_tokens, self.cached_tokens())
         return out
 
     def chunk(self, choices: list[dict], completion_tokens: int) -> dict[str, Any]:
@@ -346,6 +319,15 @@ async def completion_events(reply: Reply, heads: list[str], top: int | None, tex
         yield last
 
 
+async def echo_first(events: AsyncIterator[dict], reply: Reply, head: str) -> AsyncIterator[dict]:
+    """Chat stream chunks with `head` (chat's echo) as each choice's first content, after its role chunk (vLLM)."""
+    async for event in events:
+        yield event
+        if head and event["choices"] and event["choices"][0].get("delta", {}).get("role"):
+            yield reply.chunk([{"index": event["choices"][0]["index"], "delta": {"content": head}, "logprobs": None,
+                                "finish_reason": None}], 0)
+
+
 async def echo_events(reply: Reply, heads: list[str]) -> AsyncIterator[dict]:
     """/v1/completions stream chunks of max_tokens 0 with echo (and no logprobs): each choice's prompt, ended."""
     for i, head in enumerate(heads):
@@ -355,15 +337,16 @@ async def echo_events(reply: Reply, heads: list[str]) -> AsyncIterator[dict]:
 
 
 async def chat_events(reply: Reply, top: int | None, text_of: TokenText, as_ids: bool = False,
-                      parsing: bool = False) -> AsyncIterator[dict]:
+                      tools: ToolRequest | None = None) -> AsyncIterator[dict]:
     """/v1/chat/completions stream chunks: the assistant role per choice, content deltas with the logprobs of their
     tokens, a last chunk per choice with its finish_reason, then the usage chunk if asked.
 
-    With `parsing` (tools whose calls are parsed), each choice's text goes through a ToolCallParser: content is
-    sent as it is released, each call as OpenAI's tool_calls deltas once its block closes (no <tool_call> markup is
-    ever sent as content), and the logprobs of a batch of tokens ride on its first delta."""
+    With tools whose calls are parsed, each choice's text goes through the request's ToolCallParser: content
+    (before the first call) is sent as it is released, each call as OpenAI's tool_calls deltas: index, id, type and
+    name first, then its arguments as the model writes them (no <tool_call> markup is ever sent as content); the
+    logprobs of a batch of tokens ride on its first delta."""
     sent = [0] * len(reply.handles)
-    parsers = [ToolCallParser() if parsing else None for _ in reply.handles]
+    parsers = [tools.parser() if tools is not None and tools.parsed else None for _ in reply.handles]
     for i in range(len(reply.handles)):
         yield reply.chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}], 0)
@@ -376,19 +359,14 @@ async def chat_events(reply: Reply, top: int | None, text_of: TokenText, as_ids:
             deltas = [{"content": text}] if text or logprobs is not None else []
         else:
             events = (parser.feed(text) if text else []) + (parser.finish() if done is not None else [])
-            deltas = []
-            for event in events:
-                if isinstance(event, str):
-                    deltas.append({"content": event})
-                else:
-                    deltas += [{"tool_calls": [delta]} for delta in event.deltas()]
+            deltas = [tools.delta(event) for event in events]
             if not deltas and logprobs is not None:
                 deltas = [{}]
         for k, delta in enumerate(deltas):
             yield reply.chunk([{"index": i, "delta": delta, "logprobs": logprobs if k == 0 else None,
                                 "finish_reason": None}], sum(sent))
         if done is not None:
-            reason = chat_finish_reason(done, len(parser.calls)) if parser is not None else finish_reason(done)
+            reason = chat_finish_reason(done, len(parser.calls), tools) if parser is not None else finish_reason(done)
             yield reply.chunk([{"index": i, "delta": {}, "logprobs": None, "finish_reason": reason}], sum(sent))
     if (last := reply.usage_chunk(sum(sent))) is not None:
         yield last
@@ -407,96 +385,6 @@ def prompt_list(prompt: str | list) -> list[str | list[int]]:
     if not prompt:
         raise APIError(400, "prompt must not be empty", param="prompt")
     return list(prompt)
-
-
-def submit_all(llm: LLM, jobs: Sequence[tuple[list[int], Any]], param: str | None = None,
-               metrics: RequestMetrics | None = None, constrained_by: str | None = None) -> list[RequestHandle]:
-    """Submit every (prompt ids, sampling) or none: a refusal (full queue, invalid request) cancels the ones
-    already queued and raises its typed error before any response is sent; `metrics` then follows the accepted.
-    A constraint that does not compile is a 400 naming `constrained_by`, the field it came from.
-
-    Every job waits in the queue before any is admitted, so more jobs than the queue holds could never be
-    accepted: that is a 400 naming `param` (retrying cannot help), where a queue full of others' requests is a 429.
-    """
-    limit = llm.scheduler.max_waiting
-    if len(jobs) > limit:
-        raise APIError(400, f"this request asks for {len(jobs)} completions (prompts x n), more than this server "
-                            f"queues at once (--max-waiting {limit}): it can never be accepted; send at most "
-                            f"{limit} per request", param=param, code="exceeds_max_waiting")
-    handles: list[RequestHandle] = []
-    try:
-        for prompt, sampling in jobs:
-            handle = llm.submit(prompt, sampling)
-            handles.append(handle)
-            if handle.done():  # the scheduler fails an invalid request's handle at submit
-                handle.result(timeout=0)
-    except BaseException as error:
-        for handle in handles:
-            handle.cancel()
-        if isinstance(error, StructuredOutputError):
-            raise APIError(400, f"{constrained_by}: {error}", param=constrained_by) from None
-        raise
-    if metrics is not None:
-        for handle in handles:
-            metrics.watch(handle)
-    return handles
-
-
-async def finish_all(request: Request, handles: list[RequestHandle]) -> list[Completion]:
-    """Every handle's Completion; if the client disconnects first (or one fails), the others are cancelled."""
-
-    async def wait(handle: RequestHandle) -> Completion:
-        async for _ in handle.deltas():
-            pass
-        return handle.result(timeout=0)
-
-    watcher = asyncio.create_task(cancel_on_disconnect(request, handles))
-    try:
-        return list(await asyncio.gather(*(wait(h) for h in handles)))
-    finally:
-        watcher.cancel()
-        for handle in handles:
-            handle.cancel()  # no-op for a finished one
-
-
-async def cancel_on_disconnect(request: Request, handles: list[RequestHandle]) -> None:
-    """Wait for the client to go away (the body is read, so the next ASGI message is the disconnect); cancel."""
-    try:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-    except Exception:  # noqa: BLE001 - a broken connection is a disconnect too
-        pass
-    for handle in handles:
-        handle.cancel()
-
-
-async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, list[int], str, Completion | None]]:
-    """(choice index, new token ids, new text, Completion once it ended) from every handle as they arrive; a failed
-    handle raises its error. Leaving early (the client left) cancels every handle."""
-    queue: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, handle: RequestHandle) -> None:
-        try:
-            async for tokens, text in handle.deltas():
-                queue.put_nowait((i, tokens, text, None))
-            queue.put_nowait((i, [], "", handle.result(timeout=0)))
-        except BaseException as error:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait((i, None, None, error))
-
-    tasks = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
-    try:
-        left = len(handles)
-        while left:
-            i, tokens, text, done = await queue.get()
-            if isinstance(done, BaseException):
-                raise done
-            left -= done is not None
-            yield i, tokens, text, done
-    finally:
-        for task in tasks:
-            task.cancel()
-        for handle in handles:
-            handle.cancel()
 
 
 def sse_response(events: AsyncIterator[dict]) -> StreamingResponse:
@@ -590,7 +478,9 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *, api_key: str |
     limits = ServerLimits() if limits is None else limits
     app = create_app(llm, model_name=model_name, api_key=api_key, max_waiting=max_waiting,
                      trust_request_chat_template=trust_request_chat_template, limits=limits)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, **limits.uvicorn_options())
+    options = limits.uvicorn_options()
+    log.info("HTTP: uvicorn's %s, at most %d connections", HTTP_PROTOCOL.__name__, limits.connections())
+    uvicorn.run(app, host=host, port=port, log_level=log_level, **options)
 
 
 class BackgroundServer:
@@ -621,6 +511,11 @@ class BackgroundServer:
                 raise RuntimeError(f"uvicorn did not start on {self.url}")
             time.sleep(0.01)
         return self
+
+    def connections(self) -> list[Any]:
+        """The open connections' uvicorn protocol objects: which HTTP stack (`type(c)`) and event loop (`c.loop`)
+        serve them, and how many a server holds."""
+        return list(self._server.server_state.connections)
 
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class TokenizeRequest(BaseModel):
     """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: `prompt` or `messages`."""
 
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")  # an unknown field is a 400 naming it
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
@@ -36,7 +36,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")  # an unknown field is a 400 naming it
     model: str | None = None
     tokens: list[int]
 
