@@ -256,8 +256,14 @@ def qwen_checkpoint(tmp_path_factory):
 @contextlib.contextmanager
 def served(llm, api_key: str | None = None, **app_options):
     """(BackgroundServer, openai.OpenAI client) of `llm` served on 127.0.0.1 (`create_app(llm, api_key=api_key,
-    **app_options)`) while the block runs: the client never retries, so a test sees every status as sent."""
+    **app_options)`) while the block runs: the client never retries, so a test sees every status as sent.
+
+    POCKETJAX_TEST_WARMUP=1 warms the engine up first, as `pocketjax serve` does by default: the serving battery
+    then runs on a warmed-up server (CI runs it cold, as `--no-warmup` serves)."""
     import openai
+
+    if os.environ.get("POCKETJAX_TEST_WARMUP") == "1":
+        llm.engine.warmup(progress=False)
 
     from pocketjax.serve.server import BackgroundServer, create_app
 
