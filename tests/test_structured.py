@@ -203,8 +203,13 @@ def test_pipelined_and_host_fed_schedulers_give_the_same_constrained_tokens(tiny
         np.testing.assert_allclose([lp for lp, _ in a.logprobs], [lp for lp, _ in b.logprobs], atol=1e-5)
 
 
-def test_reported_logprobs_are_of_the_masked_distribution(tiny):
+def test_reported_logprobs_are_raw_by_default(tiny):
+    """The default logprobs_mode ("raw_logprobs", vLLM's) reports the unconstrained log_softmax, as an unmasked row
+    would for its token, while the token is the masked argmax. (The processed modes' masked distribution is checked
+    in tests/test_logprobs_mode.py, with allowed_token_ids: the same bitmask path. A second engine here would add
+    programs to the process-wide compiled_count the warm-up tests below compare against.)"""
     model, tok, engine, _ = tiny
+    assert engine.config.logprobs_mode == "raw_logprobs"
     grammar = pj.Structured(regex=r"(ab|cd)[0-9]{2,4}")
     prompt = [20, 21, 22]
     req = BatchedRequest("lp", prompt, pj.SamplingParams(max_tokens=6, temperature=0.0, logprobs=5,
@@ -220,20 +225,25 @@ def test_reported_logprobs_are_of_the_masked_distribution(tiny):
     matcher = llguidance.LLMatcher(ll, grammar.grammar_text())  # an independent matcher fed the same tokens
     ids = prompt + req.generated_tokens
     logits = np.asarray(pj.logits(model, np.array([ids], np.int32)))[0].astype(np.float64)
+    disallowed_reported = False
     for step, token in enumerate(req.generated_tokens):
         mask = allocate_token_bitmask(1, model.config.vocab_size)
         fill_next_token_bitmask(matcher, mask)
         row = logits[len(prompt) - 1 + step][None].copy()
         apply_token_bitmask_inplace(row, mask)
-        reference = row[0] - np.logaddexp.reduce(row[0])
+        masked = row[0] - np.logaddexp.reduce(row[0])
+        assert token == int(np.argmax(masked)) and np.isfinite(masked).sum() < 100
+        raw = logits[len(prompt) - 1 + step]
+        reference = raw - np.logaddexp.reduce(raw)
         logprob, top = req.logprobs[step]
-        assert token == int(np.argmax(reference)) and np.isfinite(reference).sum() < 100
         np.testing.assert_allclose(logprob, reference[token], atol=2e-4)
         best = np.argsort(-reference)[:5]
         expected = {int(t): reference[t] for t in best if np.isfinite(reference[t])}
-        assert set(top) == set(expected)  # a disallowed token is never among the top logprobs
+        assert set(top) == set(expected)
         np.testing.assert_allclose([top[t] for t in expected], list(expected.values()), atol=2e-4)
+        disallowed_reported |= not np.isfinite(masked[list(top)]).all()
         assert matcher.consume_token(token)
+    assert disallowed_reported  # raw: the grammar does not shape what is reported
     assert re.fullmatch(r"(ab|cd)[0-9]{2,4}", text(tok, req.generated_tokens))
 
 

@@ -19,6 +19,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from ..errors import ConfigError
 from ..model.kv_cache import check_kv_dtype
 from ..model.layers import ATTENTION_IMPLS
+from .sampling import DEFAULT_LOGPROBS_MODE, check_logprobs_mode
 
 ENVIRONMENT = {  # field -> variable
     "max_batch_size": "POCKETJAX_MAX_BATCH_SIZE",
@@ -28,6 +29,7 @@ ENVIRONMENT = {  # field -> variable
     "kv_dtype": "POCKETJAX_KV_DTYPE",
     "compile_cache_dir": "POCKETJAX_COMPILE_CACHE_DIR",
     "batch_invariant": "POCKETJAX_BATCH_INVARIANT",
+    "logprobs_mode": "POCKETJAX_LOGPROBS_MODE",
 }
 OFF = "off"  # compile_cache_dir (or POCKETJAX_COMPILE_CACHE_DIR) that keeps compiled programs in this process only
 log = logging.getLogger("pocketjax")
@@ -106,6 +108,11 @@ class EngineConfig:
     # On the CPU, pocketjax's native kernels (products, attention) so that a request's bits never depend on its
     # batch (README "Guarantees"); False: XLA's forms (today's speed at some batch sizes, no such guarantee)
     batch_invariant: bool = True
+    # Which values a request's logprobs (and top logprobs) are, in vLLM's names (`sampling.LOGPROBS_MODES`):
+    # "raw_logprobs" (default: log_softmax of the model's logits, before masks, logit_bias, penalties, temperature
+    # and filtering), "processed_logprobs" (of the distribution the token was drawn from), "raw_logits",
+    # "processed_logits" (the logit values instead). Per engine: the mode is compiled into the sampler.
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
@@ -161,6 +168,7 @@ class EngineConfig:
         check_kv_dtype(self.kv_dtype)
         if not isinstance(self.batch_invariant, bool):
             raise ConfigError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        check_logprobs_mode(self.logprobs_mode)
         folder = self.compile_cache_dir
         if folder is not None and (not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder).strip()):
             raise ConfigError(f"compile_cache_dir must be a folder path or {OFF!r}, got {folder!r}")

@@ -104,9 +104,9 @@ def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
 
 
 def logprob_entry(out: SampleOutput, index: int | tuple[int, ...], n: int) -> tuple[float, dict[int, float]]:
-    """One token's (raw logprob, {top id: logprob} of its n best) from host `out` at `index` (row, or row and
-    position): the format of `BatchedRequest.logprobs` and `.prompt_logprobs`."""
-    ids, values = out.top_ids[index][:n], out.top_logprobs[index][:n]  # -inf: a token a grammar disallowed
+    """One token's (logprob, {top id: logprob} of its n best) from host `out` at `index` (row, or row and
+    position), in the engine's logprobs_mode: the format of `BatchedRequest.logprobs` and `.prompt_logprobs`."""
+    ids, values = out.top_ids[index][:n], out.top_logprobs[index][:n]  # -inf: outside the processed distribution
     return float(out.logprobs[index]), {int(t): float(lp) for t, lp in zip(ids, values) if lp != -np.inf}
 
 
@@ -176,7 +176,7 @@ class Engine:
         cfg = self.config
         width = cfg.speculative.num_speculative_tokens + 1 if cfg.speculative is not None else 0
         return StepRules(self.num_slots, cfg.max_seq_len, cfg.prefill_chunk, cfg.min_prefill_bucket,
-                         cfg.min_kv_bucket, self.impl, self.model.config.vocab_size, width)
+                         cfg.min_kv_bucket, self.impl, self.model.config.vocab_size, width, cfg.logprobs_mode)
 
     def allocate_batch_slots(self, n: int) -> None:
         """(Re)allocate the KV cache with n slots; refused while any slot is held."""

@@ -2,8 +2,8 @@
 
 Every compiled shape comes from here: `bucket`, `StepRules` (rows, prefill chunk width, attention length, the
 dense-rows rule) and the constructors that turn requests into plans. A plan is a registered pytree dataclass: its
-arrays are data (traced), its static choices (kv_len, dense, hooks, num_top) are meta fields, part of the treedef
-and so of `jit`'s cache key by construction. The steps in `steps.py` take `(params, cache, plan)`; nothing else
+arrays are data (traced), its static choices (kv_len, dense, hooks, num_top, logprobs_mode) are meta fields, part
+of the treedef and so of `jit`'s cache key by construction. The steps in `steps.py` take `(params, cache, plan)`; nothing else
 spells their arguments out.
 
 A new step input is a field here plus its use in the one step that reads it: an optional array is `None` when no
@@ -23,7 +23,8 @@ import numpy as np
 
 from .request import BatchedRequest
 from .processors import pack_limits
-from .sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingArrays, SamplingParams, pack_sampling
+from .sampling import (DEFAULT_LOGPROBS_MODE, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingArrays, SamplingParams,
+                       pack_sampling)
 from .structured import all_allowed
 
 Rows = Sequence[BatchedRequest | None]  # one request per row; None: padding, or a row left out
@@ -49,6 +50,7 @@ class StepRules:
     impl: str  # resolved attention implementation
     vocab_size: int
     verify_width: int = 0  # positions per row of a speculative verify step (k + 1); 0: the engine never verifies
+    logprobs_mode: str = DEFAULT_LOGPROBS_MODE  # which logprobs the samplers report (prompt logprobs: always raw)
 
     def rows(self, n: int) -> int:
         """Rows of a step over n requests."""
@@ -145,6 +147,7 @@ class SamplePlan:
     bias_ids: Any = None
     bias: Any = None
     num_top: int = static(0)  # top logprobs returned per row
+    logprobs_mode: str = static(DEFAULT_LOGPROBS_MODE)  # the engine's (`sampling.sample`): one program per engine
 
     @property
     def first(self) -> bool:
@@ -185,6 +188,7 @@ class VerifySamplePlan:
     drafts: Any  # int32 [rows, verify_width - 1]
     num_drafts: Any  # int32 [rows]
     num_top: int = static(0)
+    logprobs_mode: str = static(DEFAULT_LOGPROBS_MODE)
 
 
 # ---- from requests -----------------------------------------------------------------------------------------------
@@ -248,7 +252,7 @@ def prefill_plans(rules: StepRules, chunks: Sequence[tuple[BatchedRequest, int]]
     limits = pack_limits([r if final[i] else None for i, r in enumerate(requests)] + [None] * (rows - len(chunks)),
                          rules.vocab_size) or (None, None, None)
     return plan, SamplePlan(slots, final, np.zeros(rows, np.int32), sampling, masks, *limits,
-                            num_top=top_count(requests))
+                            num_top=top_count(requests), logprobs_mode=rules.logprobs_mode)
 
 
 def decode_rows(rules: StepRules, running: Sequence[BatchedRequest]) -> tuple[list[BatchedRequest | None], bool]:
@@ -277,7 +281,8 @@ def decode_plans(rules: StepRules, rows: Rows, dense: bool, tokens: Any, positio
     sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in rows],
                              [r.seed if r else 0 for r in rows])
     limits = pack_limits(rows, rules.vocab_size) or (None, None, None)
-    return plan, SamplePlan(slots, active, steps, sampling, None, *limits, num_top=top_count(rows))
+    return plan, SamplePlan(slots, active, steps, sampling, None, *limits, num_top=top_count(rows),
+                            logprobs_mode=rules.logprobs_mode)
 
 
 def decode_from_host(rules: StepRules, running: Sequence[BatchedRequest], cached: Callable[[int], int]
@@ -310,7 +315,7 @@ def verify_plans(rules: StepRules, running: Sequence[BatchedRequest], drafts: Se
                       hooks=hooks)
     sampling = pack_sampling([r.sampling for r in running], [r.seed for r in running], pad_to=rows)
     return padded, plan, VerifySamplePlan(slots, lengths > 0, steps, sampling, draft, counts,
-                                          num_top=top_count(padded))
+                                          num_top=top_count(padded), logprobs_mode=rules.logprobs_mode)
 
 
 def decode_at(rules: StepRules, positions: Sequence[int], step: int, tokens: Any = None
@@ -436,11 +441,12 @@ def empty_plan(rules: StepRules, call: Signature, tokens: Any = None
         if call.step.endswith("_masked"):
             limits = (all_allowed(r, rules.vocab_size), np.full((r, MAX_LOGIT_BIAS), rules.vocab_size, np.int32),
                       np.zeros((r, MAX_LOGIT_BIAS), np.float32))
-        return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, *limits, num_top=call.num_top)
+        return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, *limits, num_top=call.num_top,
+                          logprobs_mode=rules.logprobs_mode)
     if call.step == "verify":
         return VerifyPlan(np.zeros((r, call.width), np.int32), zeros, zeros, zeros, kv_len=call.kv_len)
     if call.step == "sample_verify":
         sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
         return VerifySamplePlan(zeros, np.zeros(r, bool), zeros, sampling, np.zeros((r, call.width - 1), np.int32),
-                                zeros, num_top=call.num_top)
+                                zeros, num_top=call.num_top, logprobs_mode=rules.logprobs_mode)
     raise ValueError(f"no plan for step {call.step!r}")

@@ -7,6 +7,10 @@ Per row, in the order HF and vLLM define them:
      threshold, so tokens tied at a boundary are all kept or all dropped and the top token always stays;
   4. draw: Gumbel-max with noise that is a pure function of (seed, step, token id).
 
+Which logprobs a row reports is the engine's `logprobs_mode` (vLLM's four names, `LOGPROBS_MODES`), a static
+argument, so an engine compiles one variant: "raw_*" are of the model's logits before any of the above (and before
+allowed-token / grammar masks and logit_bias), "processed_*" of the distribution the token was drawn from.
+
 Everything is traceable (per-row parameters are arrays) and the expensive parts sit behind `lax.cond` on
 "does any row need this": an all-greedy batch costs an argmax and a logsumexp. Filtering looks at the
 `num_candidates` best tokens of each row (`lax.top_k`, a partial sort); only a row whose kept set does not fit
@@ -28,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..errors import SamplingError
+from ..errors import ConfigError, SamplingError
 from ..model.numerics import fixed_logsumexp, fixed_sum, opaque
 from .structured import Structured, as_structured
 
@@ -44,6 +48,10 @@ LOGIT_BIAS_RANGE = 100.0  # OpenAI's: a bias lies in [-100, 100]
 MAX_BAD_WORDS = 256  # bad words per request: each is matched against the output on the host before every token
 INT32_MAX = 2**31 - 1  # top_k is packed as int32
 FLOAT32_MAX = float(np.finfo(np.float32).max)  # float fields are packed as float32
+# vLLM's `logprobs_mode` names: raw = the model's logits before any processing; processed = the distribution the
+# token is drawn from; *_logits report the logit values instead of their log_softmax. The default is vLLM's.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+DEFAULT_LOGPROBS_MODE = "raw_logprobs"
 
 
 def _is_int(value: object) -> bool:
@@ -98,7 +106,8 @@ class SamplingParams:
     # Python API only: the server never sets it.
     hook: Callable[[Any, Any], Any] | None = None
     # What the output must match (a JSON schema, JSON object, regex, choice or grammar: `structured.Structured`);
-    # the sampler only draws tokens it allows, and the reported logprobs are of that constrained distribution.
+    # the sampler only draws tokens it allows (the reported logprobs follow the engine's `logprobs_mode`: raw by
+    # default, the constrained distribution under "processed_*").
     structured: Structured | None = None
     # vLLM's extras. EOS and stop_token_ids cannot be sampled, and stop strings are not looked for, before the
     # min_tokens-th token.
@@ -246,13 +255,14 @@ class SamplingArrays:
 @jax.tree_util.register_dataclass
 @dataclass
 class SampleOutput:
-    """What `sample` returns per row: the token, its raw logprob, and the raw top-n (n static, may be 0).
+    """What `sample` returns per row: the token, its logprob, and the top-n (n static, may be 0), each as the
+    engine's `logprobs_mode` says (default: log_softmax of the raw logits).
 
     The prompt scorer returns the same per prompt position: every field then has a [B, T] prefix instead of [S].
     """
 
     tokens: jax.Array  # i32[S]
-    logprobs: jax.Array  # f32[S]: log_softmax(raw logits)[token], vLLM's default "raw_logprobs"
+    logprobs: jax.Array  # f32[S]: by default log_softmax(raw logits)[token], vLLM's "raw_logprobs"
     top_ids: jax.Array  # i32[S, n]
     top_logprobs: jax.Array  # f32[S, n]
 
@@ -299,11 +309,19 @@ def any_penalized(arrays: SamplingArrays) -> jax.Array:
     return jnp.any((arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0) | (arrays.frequency_penalty != 0))
 
 
-@partial(jax.jit, static_argnames=("num_top", "num_candidates"))
+def check_logprobs_mode(mode: object) -> str:
+    """Returns `mode` if it is one of LOGPROBS_MODES, else raises ConfigError naming the field and the modes."""
+    if not isinstance(mode, str) or mode not in LOGPROBS_MODES:
+        raise ConfigError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {mode!r}")
+    return mode
+
+
+@partial(jax.jit, static_argnames=("num_top", "num_candidates", "logprobs_mode"))
 def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array | None, output_counts: jax.Array | None,
            steps: jax.Array, allowed: jax.Array | None = None, bias_ids: jax.Array | None = None,
-           bias: jax.Array | None = None, *, num_top: int = 0, num_candidates: int = NUM_CANDIDATES) -> SampleOutput:
-    """Returns each row's next token, its raw logprob and the raw top-`num_top` logprobs.
+           bias: jax.Array | None = None, *, num_top: int = 0, num_candidates: int = NUM_CANDIDATES,
+           logprobs_mode: str = DEFAULT_LOGPROBS_MODE) -> SampleOutput:
+    """Returns each row's next token, its logprob and the top-`num_top` logprobs, as `logprobs_mode` says.
 
     logits f32[S, V] are the model's raw next-token logits; prompt_mask bool[S, V] and output_counts i32[S, V]
     feed the penalties (both None: no row penalizes, and no penalty state is read); steps i32[S] is the index of
@@ -312,31 +330,67 @@ def sample(logits: jax.Array, arrays: SamplingArrays, prompt_mask: jax.Array | N
     (static) only trades speed between the fast path and the exact fallback: the tokens are the same.
 
     `allowed` i32[S, ceil(V / 32)] (structured outputs: bit t % 32 of word t // 32 allows token t) sets every
-    disallowed logit to -inf first, before penalties, temperature and filtering, so the token AND the reported
-    logprobs and top logprobs are those of the constrained distribution (a disallowed top entry is -inf). A row
-    whose words are all ones is untouched bit for bit; None (no constrained row) compiles today's program.
+    disallowed logit to -inf first, before penalties, temperature and filtering, so only allowed tokens are drawn.
+    A row whose words are all ones is untouched bit for bit; None (no constrained row) compiles today's program.
     `bias_ids` i32[S, K] / `bias` f32[S, K] (logit_bias; padding ids are V, dropped) are added to the masked
-    logits, so they too shape the token and its reported logprobs; a row with only padding is untouched.
+    logits; a row with only padding is untouched.
+
+    `logprobs_mode` (static, one per engine): "raw_*" report the input logits as they came (no mask, bias,
+    penalty, temperature or filter), so a masked row reports what it would unmasked; "processed_*" the
+    distribution the token was drawn from: masked, biased, penalized, divided by the temperature, and -inf outside
+    the top_k / top_p / min_p kept set. A greedy row (temperature < GREEDY_EPS or top_k == 1) has no temperature or
+    filter to apply (as vLLM, which applies neither to greedy rows): its processed values are its masked, biased,
+    penalized logits at temperature 1. "*_logits" report those values themselves, "*_logprobs" their log_softmax.
+    The default compiles the very program this sampler had before modes existed.
     """
-    logits = logits.astype(jnp.float32)
+    check_logprobs_mode(logprobs_mode)
+    raw = logits = logits.astype(jnp.float32)
     if allowed is not None:
         logits = mask_logits(logits, allowed)
     if bias is not None:
         logits = add_bias(logits, bias_ids, bias)
+    processed = logprobs_mode.startswith("processed")
+    as_logits = logprobs_mode.endswith("logits")
     if prompt_mask is None:  # the caller knows no row penalizes (neutral penalties are an exact identity)
         penalize = lambda x: x  # noqa: E731
-        greedy = _argmax(logits)
     else:
         penalize = partial(apply_penalties, arrays=arrays, prompt_mask=prompt_mask, output_counts=output_counts)
-        # Branches return tokens, never [S, V] arrays: a cond that returns the logits costs a 4.8 MB copy per step.
-        greedy = lax.cond(any_penalized(arrays), lambda: _argmax(penalize(logits)), lambda: _argmax(logits))
     sampled = (arrays.temperature >= GREEDY_EPS) & (arrays.top_k != 1)
+    if processed:  # the penalized logits are reported, so they are computed once, outside any branch
+        penalized = penalize(logits)  # neutral penalties are an exact identity: the same tokens as below
+        greedy = _argmax(penalized)
+        tokens, tau = lax.cond(
+            jnp.any(sampled),
+            lambda: _where_sampled(sampled, _draw(penalized, arrays, steps, sampled, num_candidates, True), greedy),
+            lambda: (greedy, jnp.full(greedy.shape, -jnp.inf, jnp.float32)),
+        )
+        return token_logprobs(_processed(penalized, arrays, sampled, tau), tokens, num_top, as_logits=as_logits)
+    if prompt_mask is None:
+        greedy = _argmax(logits)
+    else:  # Branches return tokens, never [S, V] arrays: a cond that returns the logits costs a 4.8 MB copy per step.
+        greedy = lax.cond(any_penalized(arrays), lambda: _argmax(penalize(logits)), lambda: _argmax(logits))
     tokens = lax.cond(
         jnp.any(sampled),  # neutral penalties are an exact identity, so sampling applies them unconditionally
         lambda: jnp.where(sampled, _draw(penalize(logits), arrays, steps, sampled, num_candidates), greedy),
         lambda: greedy,
     )
-    return token_logprobs(logits, tokens, num_top)
+    return token_logprobs(raw, tokens, num_top, as_logits=as_logits)
+
+
+def _where_sampled(sampled: jax.Array, drawn: tuple[jax.Array, jax.Array], greedy: jax.Array
+                   ) -> tuple[jax.Array, jax.Array]:
+    """(tokens, thresholds) of a batch with sampled rows: greedy rows keep their argmax."""
+    tokens, tau = drawn
+    return jnp.where(sampled, tokens, greedy), tau
+
+
+def _processed(penalized: jax.Array, arrays: SamplingArrays, sampled: jax.Array, tau: jax.Array) -> jax.Array:
+    """Returns f32[S, V]: the values each row's token was drawn from. Sampled rows: penalized / temperature, -inf
+    outside the kept set (at or above `tau`, the top_k / top_p threshold `_draw` used, and min_p's bound); greedy
+    rows: the penalized logits, unfiltered."""
+    s = penalized / jnp.where(sampled, arrays.temperature, 1.0)[:, None]  # the very scaling `_draw` applies
+    kept = (s >= tau[:, None]) & _min_p_kept(s, jnp.max(s, axis=-1, keepdims=True), arrays.min_p)
+    return jnp.where(kept | ~sampled[:, None], s, -jnp.inf)
 
 
 def mask_logits(logits: jax.Array, allowed: jax.Array) -> jax.Array:
@@ -356,16 +410,18 @@ def add_bias(logits: jax.Array, bias_ids: jax.Array, bias: jax.Array) -> jax.Arr
     return logits.at[rows, bias_ids].add(bias, mode="drop")
 
 
-def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int) -> SampleOutput:
-    """Returns `tokens` [...] with their raw log_softmax under f32 logits [..., V] and the raw top-`num_top`.
+def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int, *, as_logits: bool = False) -> SampleOutput:
+    """Returns `tokens` [...] with their log_softmax under f32 logits [..., V] and the top-`num_top`; `as_logits`
+    (static): the logit values themselves instead (the "*_logits" modes).
 
     Shared by the sampler (one row per slot) and the prompt scorer (one row per prompt position).
     """
-    lse = fixed_logsumexp(logits)  # fixed order: a row's logprobs never depend on its batch
-    logprobs = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0] - lse
+    values = jnp.take_along_axis(logits, tokens[..., None], axis=-1)[..., 0]
+    lse = None if as_logits else fixed_logsumexp(logits)  # fixed order: a row's logprobs never depend on its batch
+    logprobs = values if lse is None else values - lse
     if num_top:
         top_values, top_ids = _top_k(logits, num_top)
-        top_ids, top_logprobs = top_ids.astype(jnp.int32), top_values - lse[..., None]
+        top_ids, top_logprobs = top_ids.astype(jnp.int32), top_values if lse is None else top_values - lse[..., None]
     else:
         top_ids = jnp.zeros((*logits.shape[:-1], 0), jnp.int32)
         top_logprobs = jnp.zeros((*logits.shape[:-1], 0), jnp.float32)
@@ -386,8 +442,10 @@ class _Cut:
 
 
 def _draw(penalized: jax.Array, arrays: SamplingArrays, steps: jax.Array, sampled: jax.Array,
-          num_candidates: int) -> jax.Array:
-    """Returns i32[S] tokens drawn by Gumbel-max over each row's kept set (only `sampled` rows are meaningful)."""
+          num_candidates: int, with_threshold: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Returns i32[S] tokens drawn by Gumbel-max over each row's kept set (only `sampled` rows are meaningful);
+    `with_threshold` (static): also f32[S], each row's top_k / top_p threshold (min_p applies on top of it), which
+    the processed logprobs mask with. Without it the branches return tokens only (the default mode's program)."""
     vocab = penalized.shape[1]
     s = penalized / jnp.where(sampled, arrays.temperature, 1.0)[:, None]
     top_k = jnp.where(arrays.top_k >= vocab, 0, arrays.top_k)  # keeping the whole vocabulary is no filter
@@ -396,10 +454,11 @@ def _draw(penalized: jax.Array, arrays: SamplingArrays, steps: jax.Array, sample
     width = min(num_candidates + 1, vocab)  # one extra candidate tells whether the kept set stops inside
     cut = lax.cond(jnp.any(filtered), lambda: _candidate_cut(s, top_k, arrays, width),
                    lambda: _no_cut(s.shape[0], width))
+    pick = (lambda out: out) if with_threshold else (lambda out: out[0])  # noqa: E731
     return lax.cond(
         jnp.any(sampled & ~cut.resolved),
-        lambda: _draw_full(s, top_k, arrays, bits, cut, sampled),
-        lambda: _draw_candidates(arrays, bits, cut),
+        lambda: pick(_draw_full(s, top_k, arrays, bits, cut, sampled)),
+        lambda: pick(_draw_candidates(arrays, bits, cut)),
     )
 
 
@@ -440,17 +499,17 @@ def _candidate_cut(s: jax.Array, top_k: jax.Array, arrays: SamplingArrays, width
                 num_candidates=width)
 
 
-def _draw_candidates(arrays: SamplingArrays, bits: jax.Array, cut: _Cut) -> jax.Array:
-    """Returns tokens when every sampled row is resolved: Gumbel-max over its kept candidates only."""
+def _draw_candidates(arrays: SamplingArrays, bits: jax.Array, cut: _Cut) -> tuple[jax.Array, jax.Array]:
+    """Returns (tokens, thresholds) when every sampled row is resolved: Gumbel-max over its kept candidates only."""
     kept = (cut.values >= cut.tau[:, None]) & _min_p_kept(cut.values, cut.values[:, :1], arrays.min_p)
     scores = jnp.where(kept, cut.values + _gumbel(bits, cut.ids.astype(jnp.uint32)), -jnp.inf)
-    return jnp.take_along_axis(cut.ids, _argmax(scores)[:, None], axis=1)[:, 0]
+    return jnp.take_along_axis(cut.ids, _argmax(scores)[:, None], axis=1)[:, 0], cut.tau
 
 
 def _draw_full(s: jax.Array, top_k: jax.Array, arrays: SamplingArrays, bits: jax.Array, cut: _Cut,
-               sampled: jax.Array) -> jax.Array:
-    """Returns tokens by Gumbel-max over the whole vocabulary; rows the fast path could not resolve get their
-    thresholds by exact bisection, resolved rows reuse the fast path's (so both branches agree)."""
+               sampled: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Returns (tokens, thresholds) by Gumbel-max over the whole vocabulary; rows the fast path could not resolve
+    get their thresholds by exact bisection, resolved rows reuse the fast path's (so both branches agree)."""
     unresolved = sampled & ~cut.resolved
     by_count = unresolved & (top_k >= cut.num_candidates)  # the k-th value is not among the candidates
     by_mass = unresolved & (arrays.top_p < 1)
@@ -463,7 +522,7 @@ def _draw_full(s: jax.Array, top_k: jax.Array, arrays: SamplingArrays, bits: jax
     kept = (s >= tau[:, None]) & _min_p_kept(s, jnp.max(s, axis=-1, keepdims=True), arrays.min_p)
     token_ids = lax.broadcasted_iota(jnp.uint32, (1, s.shape[1]), 1)
     scores = jnp.where(kept, s + _gumbel(bits, token_ids), -jnp.inf)
-    return _argmax(scores)
+    return _argmax(scores), tau
 
 
 def _min_p_kept(s: jax.Array, best: jax.Array, min_p: jax.Array) -> jax.Array:

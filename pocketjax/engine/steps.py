@@ -92,7 +92,9 @@ def prefill_step(params, cache: KVCache, plan: PrefillPlan, *, config: ModelConf
 def score_positions(params: Params, hidden: jax.Array, targets: jax.Array, scored: jax.Array,
                     num_top: int) -> SampleOutput:
     """Raw logprob of targets [B, T] under the logits at each position of hidden [B, T, H], and the top-`num_top`
-    ([B, T] and [B, T, num_top]); rows not `scored` [B] get zeros without computing their logits.
+    ([B, T] and [B, T, num_top]); rows not `scored` [B] get zeros without computing their logits. Raw logprobs
+    whatever the engine's logprobs_mode: nothing is sampled at a prompt position, so nothing processes it, and
+    `LLM.score` sums them as log-likelihoods.
 
     One row at a time (`lax.map`), so the largest live array is one row's [T, vocab] logits, not the chunk's:
     at Qwen's vocab of 151,936 and T=512 that is 311 MB per row in float32 instead of 2.5 GB for 8 rows.
@@ -127,10 +129,11 @@ def sample_step(penalties: Penalties, logits: jax.Array, plan: SamplePlan) -> tu
     if plan.first:
         zeros = jnp.zeros(plan.prompt_masks.shape, jnp.int32)
         out = sample(logits, plan.sampling, plan.prompt_masks, zeros, plan.steps, plan.allowed, plan.bias_ids,
-                     plan.bias, num_top=plan.num_top)
+                     plan.bias, num_top=plan.num_top, logprobs_mode=plan.logprobs_mode)
         return penalties.restart(rows, plan.prompt_masks).count(rows, out.tokens), out
     out = sample(logits, plan.sampling, penalties.prompt_mask[plan.slots], penalties.output_counts[plan.slots],
-                 plan.steps, plan.allowed, plan.bias_ids, plan.bias, num_top=plan.num_top)
+                 plan.steps, plan.allowed, plan.bias_ids, plan.bias, num_top=plan.num_top,
+                 logprobs_mode=plan.logprobs_mode)
     return penalties.count(rows, out.tokens), out
 
 
@@ -179,10 +182,11 @@ def verify_sample_step(penalties: Penalties, logits: jax.Array, plan: VerifySamp
         ].add(counted.astype(jnp.int32))
         counts = penalties.output_counts[plan.slots][:, None] + extra
         return sample(flat(logits), arrays, repeat(penalties.prompt_mask[plan.slots]), flat(counts), steps,
-                      num_top=plan.num_top)
+                      num_top=plan.num_top, logprobs_mode=plan.logprobs_mode)
 
     def neutral() -> SampleOutput:  # no row penalizes: penalties are an exact identity, so skip their state
-        return sample(flat(logits), arrays, None, None, steps, num_top=plan.num_top)
+        return sample(flat(logits), arrays, None, None, steps, num_top=plan.num_top,
+                      logprobs_mode=plan.logprobs_mode)
 
     # The [rows * width, vocab] counts and masks cost more than the sampling itself (Qwen3's vocabulary: 143 of
     # 1443 ms at 8 rows on CPU, measured), and most batches have no penalized row: build them only when one has.

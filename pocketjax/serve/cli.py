@@ -9,7 +9,7 @@ import time
 
 from ..engine.config import ENVIRONMENT, EngineConfig
 from ..errors import ConfigError, PocketJaxError
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import LOGPROBS_MODES, SamplingParams
 from ..model.config import DTYPES
 from ..model.kv_cache import KV_DTYPES
 from ..model.layers import ATTENTION_IMPLS
@@ -37,6 +37,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     engine.add_argument("--batch-invariant", dest="batch_invariant", action=argparse.BooleanOptionalAction,
                         default=None, help="CPU: pocketjax's native kernels, so a request's bits never depend on its "
                                            "batch (default on; --no-batch-invariant: XLA's forms)")
+    engine.add_argument("--logprobs-mode", dest="logprobs_mode", choices=LOGPROBS_MODES,
+                        help="which values logprobs report (vLLM's names): raw_logprobs (default: of the model's "
+                             "logits), processed_logprobs (of the distribution sampled from, after masks, logit_bias, "
+                             "penalties, temperature, top_k/top_p/min_p), raw_logits, processed_logits")
     engine.add_argument("--speculative-config", dest="speculative", metavar="JSON",
                         help='speculative decoding (vLLM\'s spelling), e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
