@@ -86,9 +86,7 @@ class ServeContext:
 
     def check_model(self, model: str | None) -> None:
         """404 when a request names a model this server does not serve (None: the served one)."""
-        if model is not None and model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.name}`)",
-                           param="model", code="model_not_found")
+        check_model(model, self.name)
 
     def budget(self, prompt: Sequence[int], asked: int | None, default: int | None,
                param: str = "max_tokens") -> int:
@@ -108,6 +106,13 @@ class ServeContext:
                      constrained_by: str | None = None) -> list[RequestHandle]:
         """`submit_all` on the pool: submitting compiles a request's constraint, which must not stall the loop."""
         return await self.off_loop(submit_all, self.llm, jobs, param, self.metrics, constrained_by)
+
+
+def check_model(model: str | None, served: str) -> None:
+    """404 when a request names a model other than `served` (None: the served one), as OpenAI answers it."""
+    if model is not None and model != served:
+        raise APIError(404, f"The model `{model}` does not exist (this server serves `{served}`)", param="model",
+                       code="model_not_found")
 
 
 def json_size(value: Any, param: str, depth: int = 0) -> int:

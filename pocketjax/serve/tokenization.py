@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
+from .context import check_model
 from .openai_protocol import APIError, chat_messages, template_options
 
 if TYPE_CHECKING:
@@ -47,9 +48,7 @@ def tokenization_router(llm: LLM, model_name: str) -> APIRouter:
     router = APIRouter()
 
     def check(model: str | None) -> None:
-        if model is not None and model != model_name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{model_name}`)",
-                           param="model", code="model_not_found")
+        check_model(model, model_name)
 
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
