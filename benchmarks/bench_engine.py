@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict
@@ -37,7 +35,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
-from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from benchmarks.common import DEFAULT_CACHE_DIR, machine, model_folder, parse_ints, write_json  # noqa: E402
+from benchmarks.presets import PRESETS  # noqa: E402
 from pocketjax.model.config import ModelConfig  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
@@ -47,9 +46,8 @@ from pocketjax.model.kv_cache import init_cache  # noqa: E402
 from pocketjax.model import cpu_kernels  # noqa: E402
 from pocketjax.model.layers import ATTENTION_IMPLS  # noqa: E402
 from pocketjax.model.decoder import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 
-DEFAULT_CACHE_DIR = "/tmp/pocketjax-bench"
 PEERS = ("transformers", "llamacpp")
 CHECK_GEN_LEN = 25  # tokens per request in the issue-3 checks: medians over ~100 steps per figure are plenty
 QUICK = dict(model="qwen3-tiny", concurrency="1,4", prompt_len=32, gen_len=16, repeats=3)
@@ -133,26 +131,10 @@ def resolve_args(args: argparse.Namespace | dict | None = None, **kwargs) -> Sim
     return SimpleNamespace(**out)
 
 
-def parse_ints(value) -> list[int]:
-    if isinstance(value, str):
-        return [int(v) for v in value.split(",") if v.strip()]
-    return [int(v) for v in value]
-
-
 def parse_names(value) -> list[str]:
     if isinstance(value, str):
         return [v.strip() for v in value.split(",") if v.strip()]
     return list(value or [])
-
-
-def model_folder(args: SimpleNamespace) -> Path:
-    """The checkpoint folder: a preset is built once into cache_dir/<preset>-<dtype>."""
-    if args.model in PRESETS:
-        return build_preset(args.model, Path(args.cache_dir) / f"{args.model}-{args.dtype}", args.dtype)
-    folder = Path(args.model)
-    if not (folder / "config.json").exists():
-        raise SystemExit(f"--model {args.model!r} is neither a preset ({', '.join(PRESETS)}) nor an HF folder")
-    return folder
 
 
 ISA_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
@@ -180,19 +162,10 @@ def cpu_features() -> dict:
 
 
 def machine_info(args: SimpleNamespace, peaks: roofline.Peaks) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    except OSError:
-        pass
-    info = {"cpu": cpu, **cpu_features(), "cores": os.cpu_count(), "usable_cores": len(os.sched_getaffinity(0)),
-            "platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
-            "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-            "numpy": np.__version__, "loadavg_start": list(os.getloadavg()), "peaks": asdict(peaks),
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")}}
+    info = machine("cpu", "cores", "usable_cores", "platform", "python", "jax", "devices", **cpu_features(),
+                   jax_backend=jax.default_backend(), numpy=np.__version__, loadavg_start=list(os.getloadavg()),
+                   peaks=asdict(peaks), omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"),
+                   settings={k: v for k, v in vars(args).items() if k not in ("json", "plot")})
     for name in ("torch", "transformers", "llama_cpp"):
         try:
             info[name] = __import__(name).__version__
@@ -353,17 +326,20 @@ def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: Simple
     """
     cfg = model.config
     scratch = Engine(model, engine.config)  # same rules, cache dtype and layout as the engine's
-    plan, sample = decode_at(scratch.rules, [args.prompt_len] * c, 0)
-    state = {"cache": scratch.cache, "penalties": scratch.penalties}
+    plan, sample = decode_at(scratch.rules, [args.prompt_len] * c)
+    slots = jnp.arange(c)  # rows 0..c-1 continue at prompt_len, as the engine's requests do after their prefill
+    ones, zeros = jnp.ones(c, jnp.int32), jnp.zeros(c, jnp.int32)
+    state = {"cache": scratch.cache, "slots": scratch.slot_state.advance(slots, ones, args.prompt_len + zeros, zeros)}
     hidden = jnp.ones((plan.rows, cfg.hidden_size), model.dtype)
     head = jax.jit(lm_head)
 
     def forward():
-        state["cache"], logits = decode_step(model.params, state["cache"], plan, config=cfg, impl=engine.impl)
+        state["cache"], logits = decode_step(model.params, state["cache"], state["slots"], plan, config=cfg,
+                                             impl=engine.impl)
         state["logits"] = logits.block_until_ready()
 
     def sampler():
-        state["penalties"], out = sample_step(state["penalties"], state["logits"], sample)
+        state["slots"], out = sample_step(state["slots"], state["logits"], sample)
         np.asarray(out.tokens)
 
     def head_only():
@@ -740,15 +716,13 @@ def save(result: dict, config: ModelConfig, args: SimpleNamespace, peaks: roofli
     """Fill the roofline fields and the end load; write the JSON if asked."""
     add_roofline(result["records"], config, args, peaks)
     result["machine"]["loadavg_end"] = list(os.getloadavg())
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
 
 
 def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> dict:
     """Run the whole benchmark; returns {"machine": {...}, "records": [...]} (also written to --json if given)."""
     args = resolve_args(args, **kwargs)
-    folder = model_folder(args)
+    folder = model_folder(args.model, args.cache_dir, args.dtype)
     print(f"bench: {args.model} ({folder}) {args.dtype}, concurrency {args.concurrency}, prompt {args.prompt_len}, "
           f"gen {args.gen_len}, {args.repeats} repeats, max_seq_len {args.max_seq_len}", flush=True)
     t0 = time.perf_counter()

@@ -12,8 +12,6 @@ take turns for --repeats rounds, so a busy machine's drift reaches them alike. R
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -22,15 +20,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
-import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_engine import model_folder  # noqa: E402
-from benchmarks.presets import PRESETS  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
+                               parse_ints, write_json)
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 
 VARIANTS = ("no hook", "hook on every row", "hook on one row")
@@ -68,18 +65,11 @@ def time_variant(engine: Engine, variant: str, hook, c: int, prompt_len: int, st
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-tiny", help=f"HF folder or a preset: {', '.join(PRESETS)}")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--concurrency", default="1,8")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
-    p.add_argument("--json", default=None)
+    p = add_options(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), model="qwen3-tiny", dtype="float32",
+                    concurrency="1,8", prompt_len=32, steps=16, repeats=3, cache_dir=DEFAULT_CACHE_DIR, json=None)
     args = p.parse_args(argv)
-    model = load_model(model_folder(args), dtype=args.dtype)
-    concurrency = [int(c) for c in args.concurrency.split(",")]
+    model = load_model(model_folder(args.model, args.cache_dir, args.dtype), dtype=args.dtype)
+    concurrency = parse_ints(args.concurrency)
     engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=args.prompt_len + args.steps + 8,
                     prefill_chunk=args.prompt_len, compile_cache_dir="off")
     vector = np.random.default_rng(0).normal(0, 0.5, model.config.hidden_size).astype(np.float32)
@@ -94,16 +84,12 @@ def main(argv: list[str] | None = None) -> dict:
     records = [dict(model=args.model, dtype=args.dtype, concurrency=c, variant=variant,
                     decode_step_ms=1e3 * statistics.median(times), decode_step_ms_runs=[1e3 * t for t in times])
                for (c, variant), times in runs.items()]
-    result = {"machine": {"backend": jax.default_backend(), "devices": str(jax.devices()),
-                          "loadavg": list(os.getloadavg())}, "records": records}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print("| model | c | variant | decode ms/step | x no hook |\n|---|---|---|---|---|")
-    for r in records:
-        base = next(q for q in records if q["concurrency"] == r["concurrency"] and q["variant"] == "no hook")
-        print(f"| {r['model']} | {r['concurrency']} | {r['variant']} | {r['decode_step_ms']:.2f} | "
-              f"{r['decode_step_ms'] / base['decode_step_ms']:.2f} |")
+    result = {"machine": machine("backend", "devices", "loadavg"), "records": records}
+    write_json(args.json, result)
+    base = {r["concurrency"]: r["decode_step_ms"] for r in records if r["variant"] == "no hook"}
+    print(markdown_table(["model", "c", "variant", "decode ms/step", "x no hook"], (
+        [r["model"], r["concurrency"], r["variant"], f"{r['decode_step_ms']:.2f}",
+         f"{r['decode_step_ms'] / base[r['concurrency']]:.2f}"] for r in records)))
     return result
 
 

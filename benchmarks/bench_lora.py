@@ -6,13 +6,11 @@ Per model: `finetune` (rank 8, alpha 16 on q, v, o, up, down) for --steps steps 
 the embedded model's toy "house style" corpus (random ids on a random-weight preset, which has no tokenizer), then
 held-out loss before and after. Memory is XLA's own account of the compiled train step (arguments: frozen weights,
 adapters, optimizer state, tokens; temporaries: activations kept for the backward pass) plus the process's peak RSS.
-Prints a table last; never asserts on time.
+Prints a markdown table last; never asserts on time.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import resource
 import sys
 import tempfile
@@ -27,6 +25,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: pocketjax + siblings
 
 import pocketjax as pj
+from benchmarks.common import add_options, machine, markdown_table, write_json
 from benchmarks.presets import build_preset
 from pocketjax.model.lora import LoraConfig
 from pocketjax.nnx import Decoder
@@ -89,25 +88,20 @@ def run(name: str, steps: int, batch: int, seq_len: int, workdir: Path) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="embedded,qwen3-0.6b")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--steps", type=int, default=20, help="training steps")
+    add_options(parser, batch_size=4, seq_len=64, json=None)
     args = parser.parse_args()
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
             records.append(run(name, args.steps, args.batch_size, args.seq_len, Path(tmp)))
-    result = {"machine": {"cpu": platform.processor() or platform.machine(), "jax": jax.__version__,
-                          "devices": [str(d) for d in jax.devices()]}, "records": records}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print(f"{'model':12s} {'params':>8s} {'tok/s':>8s} {'args MB':>8s} {'temp MB':>8s} {'adapt MB':>8s} "
-          f"{'RSS MB':>8s} {'held-out before -> after':>26s}")
-    for r in records:
-        print(f"{r['model']:12s} {r['params'] / 1e6:7.1f}M {r['train_tok_s']:8.0f} {r['argument_bytes'] / 2**20:8.1f} "
-              f"{r['temp_bytes'] / 2**20:8.1f} {r['adapter_bytes'] / 2**20:8.2f} {r['peak_rss_bytes'] / 2**20:8.0f} "
-              f"{r['held_out_loss_before']:12.3f} -> {r['held_out_loss_after']:.3f}")
+    result = {"machine": machine("cpu", "jax", "devices"), "records": records}
+    write_json(args.json, result)
+    print(markdown_table(["model", "params", "train tok/s", "args MB", "temp MB", "adapters MB", "peak RSS MB",
+                          "held-out loss before -> after"], (
+        [r["model"], f"{r['params'] / 1e6:.1f}M", f"{r['train_tok_s']:.0f}", f"{r['argument_bytes'] / 2**20:.1f}",
+         f"{r['temp_bytes'] / 2**20:.1f}", f"{r['adapter_bytes'] / 2**20:.2f}", f"{r['peak_rss_bytes'] / 2**20:.0f}",
+         f"{r['held_out_loss_before']:.3f} -> {r['held_out_loss_after']:.3f}"] for r in records)))
 
 
 if __name__ == "__main__":

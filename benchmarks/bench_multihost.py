@@ -33,6 +33,9 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, add_quick, machine, markdown_table,  # noqa: E402
+                               model_folder, parse, write_json)
+
 QUICK = dict(model="qwen3-micro", concurrency=2, prompt_len=16, gen_len=12, repeats=2)
 LAYOUTS = {"tp": (2, 1), "dp": (1, 2)}  # layout -> (tp, dp)
 IDLE_EXCHANGES = 50
@@ -43,16 +46,10 @@ DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "s8": 1, "u8":
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-tiny", help="HF folder or a preset of benchmarks/presets.py")
-    p.add_argument("--dtype", default="float32")
+    add_options(p, model="qwen3-tiny", dtype="float32")
     p.add_argument("--layout", default="tp,dp", help="comma-separated: tp (tp=2) and/or dp (dp=2)")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
-    p.add_argument("--json", default=None)
-    p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK}")
+    add_options(p, concurrency=4, prompt_len=32, gen_len=32, repeats=3, cache_dir=DEFAULT_CACHE_DIR, json=None)
+    add_quick(p, QUICK)
     p.add_argument("--timeout", type=int, default=900, help="seconds before a run's processes are killed")
     # a child process of the run (set by the parent)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -64,11 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_args(argv: list[str] | None = None) -> SimpleNamespace:
-    parser = build_parser()
-    args = vars(parser.parse_args(argv))
-    if args["quick"]:
-        args.update({k: v for k, v in QUICK.items() if args[k] == parser.get_default(k)})
-    return SimpleNamespace(**args)
+    return SimpleNamespace(**parse(build_parser(), argv, QUICK))
 
 
 # ---- a child: one process of a run ------------------------------------------------------------------------------
@@ -190,28 +183,23 @@ def launch(args: SimpleNamespace, folder: Path, layout: str, processes: int, out
 
 
 def table(records: list[dict]) -> str:
-    rows = ["| mesh | processes | step ms (pipelined) | in broadcast | step ms (unpipelined) | in broadcast | rest "
-            "| broadcast alone ms | coordination bytes/step | model collectives/decode step (bytes) |",
-            "|" + "---|" * 10]
-    for r in records:
-        idle = f"{r['coord_idle_ms']:.2f}" if r["coord_idle_ms"] is not None else "-"
-        rows.append(f"| tp={r['tp']} dp={r['dp']} | {r['processes']} | {r['step_ms']:.2f} | {r['coord_ms']:.2f} | "
-                    f"{r['step_ms_unpipelined']:.2f} | {r['coord_ms_unpipelined']:.2f} | "
-                    f"{r['rest_ms_unpipelined']:.2f} | {idle} | {r['coord_bytes_per_step']:.0f} | "
-                    f"{r['model_collectives']} ({r['model_collective_bytes']}) |")
-    return "\n".join(rows)
+    return markdown_table(["mesh", "processes", "step ms (pipelined)", "in broadcast", "step ms (unpipelined)",
+                           "in broadcast", "rest", "broadcast alone ms", "coordination bytes/step",
+                           "model collectives/decode step (bytes)"], (
+        [f"tp={r['tp']} dp={r['dp']}", r["processes"], f"{r['step_ms']:.2f}", f"{r['coord_ms']:.2f}",
+         f"{r['step_ms_unpipelined']:.2f}", f"{r['coord_ms_unpipelined']:.2f}", f"{r['rest_ms_unpipelined']:.2f}",
+         "-" if r["coord_idle_ms"] is None else f"{r['coord_idle_ms']:.2f}", f"{r['coord_bytes_per_step']:.0f}",
+         f"{r['model_collectives']} ({r['model_collective_bytes']})"] for r in records))
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     args = resolve_args(argv)
     if args.child:
-        record = child(args)
-        Path(args.json).write_text(json.dumps(record))
+        write_json(args.json, child(args))
         return None
     import tempfile
 
-    from benchmarks.bench_engine import model_folder
-    folder = model_folder(args)
+    folder = model_folder(args.model, args.cache_dir, args.dtype)
     records = []
     with tempfile.TemporaryDirectory() as tmp:
         for layout in [s.strip() for s in args.layout.split(",") if s.strip()]:
@@ -221,12 +209,10 @@ def main(argv: list[str] | None = None) -> dict | None:
                 print(f"{layout} x{processes} process(es): {record['step_ms']:.2f} ms/step pipelined, "
                       f"{record['step_ms_unpipelined']:.2f} unpipelined of which {record['coord_ms_unpipelined']:.2f} "
                       f"in the broadcast", flush=True)
-    result = {"machine": {"cores": os.cpu_count(), "loadavg": os.getloadavg()}, "settings": {
+    result = {"machine": machine("cores", "loadavg"), "settings": {
         k: getattr(args, k) for k in ("model", "dtype", "concurrency", "prompt_len", "gen_len", "repeats")},
         "records": records}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    write_json(args.json, result)
     print(table(records))
     return result
 

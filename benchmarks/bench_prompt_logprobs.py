@@ -12,7 +12,6 @@ shape); the top-0 row shows what the top-k costs on its own.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -23,10 +22,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_engine import model_folder  # noqa: E402
-from benchmarks.presets import PRESETS  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
+                               parse_ints, write_json)
 from pocketjax.engine.engine import Engine  # noqa: E402
-from pocketjax.engine.sampling import MAX_LOGPROBS  # noqa: E402
+from pocketjax.engine.sampling_params import MAX_LOGPROBS  # noqa: E402
 from pocketjax.engine.plan import PrefillPlan  # noqa: E402
 from pocketjax.engine.steps import prefill_step  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
@@ -55,17 +54,11 @@ def time_variant(engine: Engine, num_top: int | None, c: int, length: int, repea
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-tiny", help=f"HF folder or a preset: {', '.join(PRESETS)}")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--concurrency", default="1,4")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
-    p.add_argument("--json", default=None)
+    p = add_options(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]), model="qwen3-tiny", dtype="float32",
+                    concurrency="1,4", prompt_len=128, repeats=3, cache_dir=DEFAULT_CACHE_DIR, json=None)
     args = p.parse_args(argv)
-    model = load_model(model_folder(args), dtype=args.dtype)
-    concurrency = [int(c) for c in args.concurrency.split(",")]
+    model = load_model(model_folder(args.model, args.cache_dir, args.dtype), dtype=args.dtype)
+    concurrency = parse_ints(args.concurrency)
     engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=2 * args.prompt_len,
                     prefill_chunk=args.prompt_len, compile_cache_dir="off")
     records = []
@@ -74,15 +67,12 @@ def main(argv: list[str] | None = None) -> dict:
             times = time_variant(engine, num_top, c, args.prompt_len, args.repeats)
             records.append(dict(model=args.model, dtype=args.dtype, concurrency=c, prompt_len=args.prompt_len,
                                 variant=name, seconds=statistics.median(times), seconds_runs=times))
-    result = {"machine": {"backend": jax.default_backend(), "devices": str(jax.devices())}, "records": records}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print("| model | c | prompt | variant | ms | x plain |\n|---|---|---|---|---|---|")
-    for r in records:
-        plain = next(q for q in records if q["concurrency"] == r["concurrency"] and q["variant"] == "plain")
-        print(f"| {r['model']} | {r['concurrency']} | {r['prompt_len']} | {r['variant']} | {1e3 * r['seconds']:.1f} | "
-              f"{r['seconds'] / plain['seconds']:.2f} |")
+    result = {"machine": machine("backend", "devices"), "records": records}
+    write_json(args.json, result)
+    plain = {r["concurrency"]: r["seconds"] for r in records if r["variant"] == "plain"}
+    print(markdown_table(["model", "c", "prompt", "variant", "ms", "x plain"], (
+        [r["model"], r["concurrency"], r["prompt_len"], r["variant"], f"{1e3 * r['seconds']:.1f}",
+         f"{r['seconds'] / plain[r['concurrency']]:.2f}"] for r in records)))
     return result
 
 

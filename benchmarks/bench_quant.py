@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import platform
 import statistics
 import sys
 import time
@@ -36,12 +34,14 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pocketjax as pj  # noqa: E402
-from benchmarks.presets import PRESETS, build_preset, plant_outliers  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
+                               parse_ints, write_json)
+from benchmarks.presets import plant_outliers  # noqa: E402
 from pocketjax.model import quant  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.model.decoder import forward_logits  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 
 EMBEDDED = Path(__file__).resolve().parent.parent / "pocketjax" / "assets" / "pocket-coder"
 # (compute dtype, weight quantization, KV cache dtype)
@@ -56,10 +56,8 @@ SEED_64L = dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, interme
 
 def resolve_model(name: str | None) -> Path:
     if name is None:
-        return EMBEDDED if (EMBEDDED / "config.json").exists() else resolve_model("qwen3-tiny")
-    if name in PRESETS:
-        return build_preset(name, Path("/tmp/pocketjax-bench") / name)
-    return Path(name)
+        return EMBEDDED if (EMBEDDED / "config.json").exists() else model_folder("qwen3-tiny")
+    return model_folder(name)
 
 
 def weight_bytes(model: pj.Model) -> tuple[int, int]:
@@ -176,11 +174,8 @@ def forward_temp_bytes(model: pj.Model, length: int = 64) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help=f"HF folder or a preset ({', '.join(PRESETS)}); default: embedded")
-    p.add_argument("--concurrency", default="1,4")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", default=None, help="HF folder or a preset of benchmarks/presets.py; default: embedded")
+    add_options(p, concurrency="1,4", prompt_len=32, gen_len=32, repeats=5)
     p.add_argument("--ppl-seqs", type=int, default=8)
     p.add_argument("--ppl-len", type=int, default=256)
     p.add_argument("--outliers", default="30,300",
@@ -188,7 +183,7 @@ def main() -> None:
                         "every RMSNorm weight (presets.plant_outliers: real Qwen checkpoints' massive activations); "
                         "'' for none")
     p.add_argument("--no-speed", action="store_true", help="skip the decode speed rounds (the slow part)")
-    p.add_argument("--json", default=None)
+    add_options(p, json=None)
     args = p.parse_args()
     folder = resolve_model(args.model)
     config = pj.ModelConfig.from_folder(folder)
@@ -222,7 +217,7 @@ def main() -> None:
 
     # perplexity: on the model, then on copies with planted outlier channels, each against its own float32 model
     tokens, source = eval_tokens(folder, config, args.ppl_seqs, args.ppl_len)
-    planted = [(f"outliers x{f:g}", plant_outliers(folder, Path("/tmp/pocketjax-bench") / f"{folder.name}-x{f:g}", f,
+    planted = [(f"outliers x{f:g}", plant_outliers(folder, Path(DEFAULT_CACHE_DIR) / f"{folder.name}-x{f:g}", f,
                                                     compensate=True))
                for f in (float(x) for x in args.outliers.split(",") if x)]
     for label, path in [("", folder)] + planted:
@@ -249,43 +244,37 @@ def main() -> None:
     # decode speed
     models = {f"{mode or dtype} ({dtype} compute)" + (f", {kv} KV" if kv else ""):
               (pj.load_model(folder, dtype=dtype, quantize=mode), kv) for dtype, mode, kv in SPEED_VARIANTS}
-    for c in ([] if args.no_speed else [int(x) for x in args.concurrency.split(",") if x]):
+    for c in ([] if args.no_speed else parse_ints(args.concurrency)):
         for name, (best, median) in decode_speeds(models, c, args.prompt_len, args.gen_len, args.repeats).items():
             records.append({"kind": "decode", "variant": name, "concurrency": c, "decode_tok_s": best,
                             "decode_tok_s_median": median})
 
-    machine = {"platform": platform.platform(), "devices": jax.local_device_count(), "backend": jax.default_backend(),
-               "jax": jax.__version__, "model": str(folder), "layers": config.num_layers,
-               "hidden": config.hidden_size, "vocab": config.vocab_size, "largest_dequantized_bytes": int(largest)}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": machine, "records": records}, indent=2))
-    print_table(machine, records)
+    info = machine("platform", "devices", "backend", "jax", devices=jax.local_device_count(), model=str(folder),
+                   layers=config.num_layers, hidden=config.hidden_size, vocab=config.vocab_size,
+                   largest_dequantized_bytes=int(largest))
+    write_json(args.json, {"machine": info, "records": records})
+    print_table(info, records)
 
 
-def print_table(machine: dict, records: list[dict]) -> None:
-    print(f"\nmodel {machine['model']} ({machine['layers']} layers, hidden {machine['hidden']}, vocab "
-          f"{machine['vocab']}), {machine['backend']} x{machine['devices']}, jax {machine['jax']}")
-    print("\n| weights | linear bytes | vs bf16 | all bytes | vs bf16 |\n|---|---|---|---|---|")
-    for r in (r for r in records if r["kind"] == "weights"):
-        print(f"| {r['variant']} | {r['linear_bytes']:,} | {r['linear_vs_bf16']:.3f}x | {r['total_bytes']:,} | "
-              f"{r['total_vs_bf16']:.3f}x |")
-    print("\n| KV cache | bytes | vs bf16 |\n|---|---|---|")
-    for r in (r for r in records if r["kind"] == "kv"):
-        print(f"| {r['variant']} | {r['kv_bytes']:,} | {r['vs_bf16']:.3f}x |")
-    print(f"\n| forward temp (T=64) | bytes |\n|---|---|   largest dequantized weight: "
-          f"{machine['largest_dequantized_bytes']:,} bytes")
-    for r in (r for r in records if r["kind"] == "temp"):
-        print(f"| {r['variant']} | {r['forward_temp_bytes']:,} |")
-    ppl = [r for r in records if r["kind"] == "ppl"]
-    print(f"\n| perplexity ({ppl[0]['source']}) | ppl | increase |\n|---|---|---|")
-    for r in ppl:
-        print(f"| {r['variant']} | {r['ppl']:.4f} | {100 * r['increase']:+.2f}% |")
-    decode = [r for r in records if r["kind"] == "decode"]  # none with --no-speed
-    if decode:
-        print("\n| decode (noisy shared CPU) | concurrency | best tok/s | median tok/s |\n|---|---|---|---|")
-    for r in decode:
-        print(f"| {r['variant']} | {r['concurrency']} | {r['decode_tok_s']:.1f} | {r['decode_tok_s_median']:.1f} |")
+def print_table(info: dict, records: list[dict]) -> None:
+    print(f"\nmodel {info['model']} ({info['layers']} layers, hidden {info['hidden']}, vocab "
+          f"{info['vocab']}), {info['backend']} x{info['devices']}, jax {info['jax']}")
+    kind = lambda k: [r for r in records if r["kind"] == k]  # noqa: E731
+    print("\n" + markdown_table(["weights", "linear bytes", "vs bf16", "all bytes", "vs bf16"], (
+        [r["variant"], f"{r['linear_bytes']:,}", f"{r['linear_vs_bf16']:.3f}x", f"{r['total_bytes']:,}",
+         f"{r['total_vs_bf16']:.3f}x"] for r in kind("weights"))))
+    print("\n" + markdown_table(["KV cache", "bytes", "vs bf16"], (
+        [r["variant"], f"{r['kv_bytes']:,}", f"{r['vs_bf16']:.3f}x"] for r in kind("kv"))))
+    print(f"\nlargest dequantized weight: {info['largest_dequantized_bytes']:,} bytes\n")
+    print(markdown_table(["forward temp (T=64)", "bytes"], (
+        [r["variant"], f"{r['forward_temp_bytes']:,}"] for r in kind("temp"))))
+    ppl = kind("ppl")
+    print("\n" + markdown_table([f"perplexity ({ppl[0]['source']})", "ppl", "increase"], (
+        [r["variant"], f"{r['ppl']:.4f}", f"{100 * r['increase']:+.2f}%"] for r in ppl)))
+    if kind("decode"):  # none with --no-speed
+        print("\n" + markdown_table(["decode (noisy shared CPU)", "concurrency", "best tok/s", "median tok/s"], (
+            [r["variant"], r["concurrency"], f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s_median']:.1f}"]
+            for r in kind("decode"))))
 
 
 if __name__ == "__main__":

@@ -25,22 +25,19 @@ import contextlib
 import json
 import multiprocessing
 import os
-import platform
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import jax
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import pocketjax as pj  # noqa: E402
-from benchmarks.serve import SHAPES, Item, Trace, stream, summarize, table, workload  # noqa: E402
-from pocketjax.engine.config import EngineConfig  # noqa: E402
+from benchmarks.common import machine, versions, write_json  # noqa: E402
+from benchmarks.serve import Item, Trace, stream, stream_settings, summarize, table, workload  # noqa: E402
 from pocketjax.serve.llm import DEFAULT_MODEL  # noqa: E402
-from pocketjax.serve.server import BackgroundServer, create_app  # noqa: E402
+from pocketjax.serve.http.server import BackgroundServer, create_app  # noqa: E402
 
 COLUMNS = ["system", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
            "server_cpu_ms_per_token", "client_cpu_ms_per_token", "http_errors"]
@@ -124,18 +121,6 @@ def run(llm: pj.LLM, items: list[Item], repeats: int, stacks: list[str]) -> list
     return records
 
 
-def versions(*names: str) -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for name in names:
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def median_pass(records: list[dict], system: str) -> dict:
     runs = sorted((r for r in records if r["system"] == system), key=lambda r: r["output_tok_s"])
     return runs[len(runs) // 2]
@@ -158,11 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     stacks = [name for name in args.http.split(",") if name]
     load_start = os.getloadavg()
-    prompts, outputs, max_seq_len, chunk, min_chunk = SHAPES["quick" if args.quick else "full"]
-    config = EngineConfig(max_batch_size=args.slots, max_seq_len=max_seq_len, prefill_chunk=chunk,
-                          min_prefill_bucket=min_chunk)
-    n = args.requests or (24 if args.quick else 48)
-    rate = args.rate if args.rate is not None else (6.0 if args.quick else 8.0)
+    config, prompts, outputs, n, rate = stream_settings(args)
     with pj.LLM(args.model, config, warmup=True) as llm:  # every shape compiled first: none while measuring
         items = workload(n, rate, prompts, outputs, llm.model.config.vocab_size, args.seed)
         records = run(llm, items, args.repeats, stacks)
@@ -173,15 +154,11 @@ def main() -> None:
                  **{k: round(h[k] - s[k], 3) for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms",
                                                        "server_cpu_ms_per_token", "client_cpu_ms_per_token")}}
                 for system, h in best.items() if system != "scheduler"]
-    machine = {"platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
-               "device": str(jax.devices()[0]), "cpus": os.cpu_count(), "model": args.model, "rate": rate,
-               "requests": n, "slots": args.slots, "repeats": args.repeats, "seed": args.seed,
-               "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-               "stacks": {name: STACKS[name] for name in stacks}, "versions": versions("uvicorn", "httptools", "uvloop")}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": machine, "records": records, "median": best,
-                                               "overhead": overhead}, indent=2))
+    info = machine("platform", "python", "jax", "device", "cpus", model=args.model, rate=rate, requests=n,
+                   slots=args.slots, repeats=args.repeats, seed=args.seed, loadavg_start=load_start,
+                   loadavg_end=os.getloadavg(), stacks={name: STACKS[name] for name in stacks},
+                   versions=versions("uvicorn", "httptools", "uvloop"))
+    write_json(args.json, {"machine": info, "records": records, "median": best, "overhead": overhead})
     for r in records:
         print(json.dumps(r))
     print("(overhead rows: throughput ratio, latency differences in ms)")

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -37,16 +36,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.presets import build_preset  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
+                               parse_ints, write_json)
 from pocketjax.engine import engine as engine_module  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
-from pocketjax.engine.plan import decode_from_host, verify_plans  # noqa: E402
+from pocketjax.engine.plan import decode_plans, verify_plans  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.steps import decode_step, sample_step, verify_sample_step, verify_step  # noqa: E402
 from pocketjax.engine.request import RequestStatus  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 from pocketjax.engine.speculative import NgramIndex  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 from pocketjax.serve.llm import DEFAULT_MODEL  # noqa: E402
@@ -54,7 +55,6 @@ from pocketjax.serve.scheduler import Scheduler  # noqa: E402
 from pocketjax.serve.tokenizer import Tokenizer  # noqa: E402
 from pocketjax.training.bpe import split_holdout, stdlib_files  # noqa: E402
 
-DEFAULT_CACHE_DIR = "/tmp/pocketjax-bench"
 HOLDOUT_EVERY = 50  # pocket-coder's recipe (train.py): every 50th stdlib file was held out
 
 
@@ -174,12 +174,11 @@ def run_benchmark(models: list[str], concurrency: list[int], gen_len: int, repea
                   cache_dir: str, num_prompts: int | None = None) -> dict:
     tokenizer = Tokenizer.from_folder(DEFAULT_MODEL)
     prompt_sets = workloads(tokenizer, max(num_prompts or 0, *concurrency))
-    machine = dict(cpu=platform.processor() or platform.machine(), cores=os.cpu_count(), jax=jax.__version__,
-                   device=str(jax.devices()[0]), loadavg_start=os.getloadavg())
+    info = machine("cpu", "cores", "jax", "device", loadavg_start=os.getloadavg())
     records = []
     spec_config = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_max=4, prompt_lookup_min=2)
     for name in models:
-        folder = DEFAULT_MODEL if name == "pocket-coder" else build_preset(name, Path(cache_dir) / name)
+        folder = DEFAULT_MODEL if name == "pocket-coder" else model_folder(name, cache_dir)
         model = load_model(folder)
         longest = max(len(p) for ps in prompt_sets.values() for p in ps) + gen_len
         sizes = dict(max_batch_size=max(concurrency), max_seq_len=1 << (longest - 1).bit_length(),
@@ -201,8 +200,8 @@ def run_benchmark(models: list[str], concurrency: list[int], gen_len: int, repea
                               identical=fast["token_ids"] == base["token_ids"])
                 records.append(record)
                 print(json.dumps(record), flush=True)
-    machine["loadavg_end"] = os.getloadavg()
-    return dict(machine=machine, settings=dict(models=models, concurrency=concurrency, gen_len=gen_len,
+    info["loadavg_end"] = os.getloadavg()
+    return dict(machine=info, settings=dict(models=models, concurrency=concurrency, gen_len=gen_len,
                                                repeats=repeats, prompts=len(prompt_sets["free"]),
                                                speculative=spec_config), records=records)
 
@@ -231,18 +230,21 @@ def profile_rows(engine: Engine, prompts: list[list[int]], iters: int) -> dict:
         engine.batch_decode_step(reqs)
         rules, k = engine.rules, engine.speculator.k
         cached = lambda slot: len(engine.slots.tokens[slot])  # noqa: E731
+        reach = lambda r: cached(r.slot_id)  # noqa: E731
         drafts = [[7] * k for _ in reqs]
         step = dict(config=engine.model.config, impl=engine.impl)
-        _, dplan, splan = decode_from_host(rules, reqs, cached)
+        _, dplan, splan = decode_plans(rules, reqs, reach)
         _, vplan, vsplan = verify_plans(rules, reqs, drafts, cached)
         held = {}
+        before = jax.tree.map(jnp.copy, engine.slot_state)  # the steps timed alone advance it: restored after
 
         def plain_forward():
-            engine.cache, held["logits"] = decode_step(engine.model.params, engine.cache, dplan, **step)
+            engine.cache, held["logits"] = decode_step(engine.model.params, engine.cache, engine.slot_state, dplan,
+                                                       **step)
             held["logits"].block_until_ready()
 
         def plain_sample():
-            engine.penalties, out = sample_step(engine.penalties, held["logits"], splan)
+            engine.slot_state, out = sample_step(engine.slot_state, held["logits"], splan)
             out.tokens.block_until_ready()
 
         def verify_forward():
@@ -250,15 +252,16 @@ def profile_rows(engine: Engine, prompts: list[list[int]], iters: int) -> dict:
             held["vlogits"].block_until_ready()
 
         def verify_sample():
-            engine.penalties, out, accepted = verify_sample_step(engine.penalties, held["vlogits"], vsplan)
+            engine.slot_state, out, accepted = verify_sample_step(engine.slot_state, held["vlogits"], vsplan)
             accepted.block_until_ready()
 
         record = dict(rows=vplan.rows, requests=len(reqs))
         for name, fn in (("plain_forward_ms", plain_forward), ("plain_sample_ms", plain_sample),
                          ("verify_forward_ms", verify_forward), ("verify_sample_ms", verify_sample)):
             record[name] = round(median_ms(fn, iters), 3)
+        engine.slot_state = before
         record["draft_ms"] = round(median_ms(lambda: engine.draft(reqs), iters), 3)
-        record["plan_plain_ms"] = round(median_ms(lambda: decode_from_host(rules, reqs, cached), iters), 3)
+        record["plan_plain_ms"] = round(median_ms(lambda: decode_plans(rules, reqs, reach), iters), 3)
         record["plan_verify_ms"] = round(median_ms(lambda: verify_plans(rules, reqs, drafts, cached), iters), 3)
         reads = []
         real = engine_module.to_host
@@ -303,7 +306,7 @@ def run_profile(models: list[str], concurrency: list[int], k: int, iters: int, c
     spec_config = dict(method="ngram", num_speculative_tokens=k, prompt_lookup_max=4, prompt_lookup_min=2)
     records = []
     for name in models:
-        folder = DEFAULT_MODEL if name == "pocket-coder" else build_preset(name, Path(cache_dir) / name)
+        folder = DEFAULT_MODEL if name == "pocket-coder" else model_folder(name, cache_dir)
         model = load_model(folder)
         longest = max(map(len, prompts)) + 10 * iters + 64
         engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=1 << (longest - 1).bit_length(),
@@ -322,50 +325,36 @@ PROFILE_COLUMNS = ("plain_forward_ms", "plain_sample_ms", "verify_forward_ms", "
 
 
 def profile_table(result: dict) -> str:
-    rows = ["| model | k | rows | " + " | ".join(c.removesuffix("_ms").replace("_", " ") + (" ms" if c.endswith("_ms")
-            else "") for c in PROFILE_COLUMNS) + " |", "|---" * (3 + len(PROFILE_COLUMNS)) + "|"]
-    for r in result["records"]:
-        rows.append(f"| {r['model']} | {r['k']} | {r['rows']} | " + " | ".join(str(r[c]) for c in PROFILE_COLUMNS)
-                    + " |")
-    return "\n".join(rows)
+    columns = [c.removesuffix("_ms").replace("_", " ") + (" ms" if c.endswith("_ms") else "") for c in PROFILE_COLUMNS]
+    return markdown_table(["model", "k", "rows", *columns], (
+        [r["model"], r["k"], r["rows"], *(r[c] for c in PROFILE_COLUMNS)] for r in result["records"]))
 
 
 def table(result: dict) -> str:
-    rows = ["| model | workload | requests | plain tok/s | speculative tok/s | speedup | acceptance | tokens/step "
-            "(per request) | identical |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["records"]:
-        rows.append(f"| {r['model']} | {r['workload']} | {r['concurrency']} | {r['plain_tok_s']} | "
-                    f"{r['speculative_tok_s']} | {r['speedup']}x | {r['acceptance_rate']:.0%} | "
-                    f"{r['tokens_per_step']} | {r['identical']} |")
-    return "\n".join(rows)
+    return markdown_table(["model", "workload", "requests", "plain tok/s", "speculative tok/s", "speedup", "acceptance",
+                           "tokens/step (per request)", "identical"], (
+        [r["model"], r["workload"], r["concurrency"], r["plain_tok_s"], r["speculative_tok_s"], f"{r['speedup']}x",
+         f"{r['acceptance_rate']:.0%}", r["tokens_per_step"], r["identical"]] for r in result["records"]))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="pocket-coder,qwen3-0.6b", help="pocket-coder and/or presets.py names")
-    p.add_argument("--concurrency", default="1,4,8")
-    p.add_argument("--gen-len", type=int, default=96)
-    p.add_argument("--repeats", type=int, default=3)
+    add_options(p, concurrency="1,4,8", gen_len=96, repeats=3)
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     p.add_argument("--prompts", type=int, default=None, help="prompts per workload (default: the largest concurrency)")
-    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="where presets are built")
-    p.add_argument("--json", default=None)
+    add_options(p, cache_dir=DEFAULT_CACHE_DIR, json=None)
     p.add_argument("--profile", action="store_true", help="time each part of a verify step against a plain one")
     p.add_argument("--iters", type=int, default=10, help="--profile: timed calls per part (median)")
     args = p.parse_args(argv)
     if args.profile:
-        result = run_profile(args.models.split(","), [int(c) for c in args.concurrency.split(",")], args.k,
-                             args.iters, args.cache_dir)
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.json).write_text(json.dumps(result, indent=1))
+        result = run_profile(args.models.split(","), parse_ints(args.concurrency), args.k, args.iters, args.cache_dir)
+        write_json(args.json, result, indent=1)
         print(profile_table(result))
         return 0
-    result = run_benchmark(args.models.split(","), [int(c) for c in args.concurrency.split(",")], args.gen_len,
-                           args.repeats, args.k, args.cache_dir, args.prompts)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+    result = run_benchmark(args.models.split(","), parse_ints(args.concurrency), args.gen_len, args.repeats, args.k,
+                           args.cache_dir, args.prompts)
+    write_json(args.json, result, indent=1)
     print(table(result))
     return 0
 

@@ -20,8 +20,6 @@ mask (a smaller trie than Qwen's: masks then cost less than they would; the JSON
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -33,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_engine import model_folder  # noqa: E402
-from benchmarks.presets import PRESETS  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
+                               parse_ints, write_json)
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.plan import Signature, empty_plan  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 from pocketjax.engine.steps import sample_step  # noqa: E402
 from pocketjax.engine.structured import Structured, all_allowed  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
@@ -52,7 +50,7 @@ SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "notes":
 
 def load(args: SimpleNamespace) -> tuple:
     """(model, tokenizer, what the tokenizer is) for --model."""
-    folder = DEFAULT_MODEL if args.model == "embedded" else model_folder(args)
+    folder = DEFAULT_MODEL if args.model == "embedded" else model_folder(args.model, args.cache_dir, args.dtype)
     model = load_model(folder, dtype=args.dtype)
     if args.tokenizer:
         from tokenizers import Tokenizer as Backend
@@ -110,7 +108,7 @@ def sampler_ms(engine: Engine, c: int, masked: bool, calls: int = 20) -> float:
     times = []
     for _ in range(calls + 1):
         start = time.perf_counter()
-        engine.penalties, out = sample_step(engine.penalties, logits, plan)
+        engine.slot_state, out = sample_step(engine.slot_state, logits, plan)
         jax.block_until_ready(out.tokens)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times[1:])
@@ -145,36 +143,26 @@ def run_model(args: SimpleNamespace, concurrency: list[int]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded", help=f"embedded, an HF folder or a preset: {', '.join(PRESETS)}; "
+    p.add_argument("--model", default="embedded", help="embedded, an HF folder or a preset of benchmarks/presets.py; "
                    "comma-separated for several")
     p.add_argument("--tokenizer", default=None, help="a tokenizer.json for a preset (default: the embedded one's)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--concurrency", default="1,8")
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
-    p.add_argument("--json", default=None)
+    add_options(p, dtype="float32", concurrency="1,8", prompt_len=16, steps=16, repeats=2, cache_dir=DEFAULT_CACHE_DIR,
+                json=None)
     args = p.parse_args(argv)
-    concurrency = [int(c) for c in args.concurrency.split(",")]
+    concurrency = parse_ints(args.concurrency)
     records = []
     for name in args.model.split(","):
         records += run_model(SimpleNamespace(**{**vars(args), "model": name,
                                                 "tokenizer": args.tokenizer if name != "embedded" else None}),
                              concurrency)
-    result = {"machine": {"backend": jax.default_backend(), "devices": str(jax.devices()),
-                          "loadavg": list(os.getloadavg())}, "records": records}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print("| model | vocab | c | rows constrained | decode tok/s | x none | step ms | mask ms/step (host) "
-          "| sampler ms | masked sampler ms |\n|---|---|---|---|---|---|---|---|---|---|")
-    for r in records:
-        base = next(q for q in records if q["model"] == r["model"] and q["concurrency"] == r["concurrency"]
-                    and q["constrained"] == "none")
-        print(f"| {r['model']} | {r['vocab']:,} | {r['concurrency']} | {r['constrained']} | {r['tok_s']:.1f} | "
-              f"{r['tok_s'] / base['tok_s']:.2f} | {r['step_ms']:.1f} | {r['mask_ms_per_step']:.2f} | "
-              f"{r['sampler_ms']:.2f} | {r['masked_sampler_ms']:.2f} |")
+    result = {"machine": machine("backend", "devices", "loadavg"), "records": records}
+    write_json(args.json, result)
+    base = {(r["model"], r["concurrency"]): r["tok_s"] for r in records if r["constrained"] == "none"}
+    print(markdown_table(["model", "vocab", "c", "rows constrained", "decode tok/s", "x none", "step ms",
+                          "mask ms/step (host)", "sampler ms", "masked sampler ms"], (
+        [r["model"], f"{r['vocab']:,}", r["concurrency"], r["constrained"], f"{r['tok_s']:.1f}",
+         f"{r['tok_s'] / base[r['model'], r['concurrency']]:.2f}", f"{r['step_ms']:.1f}",
+         f"{r['mask_ms_per_step']:.2f}", f"{r['sampler_ms']:.2f}", f"{r['masked_sampler_ms']:.2f}"] for r in records)))
     return result
 
 

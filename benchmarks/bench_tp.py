@@ -17,7 +17,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import json  # noqa: E402
 import re  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -29,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.bench_engine import Prompts, engine_cycle, model_folder, parse_ints  # noqa: E402
-from benchmarks.presets import PRESETS  # noqa: E402
+from benchmarks.bench_engine import Prompts, engine_cycle  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, add_quick, machine, markdown_table,  # noqa: E402
+                               model_folder, parse, parse_ints, usable_cores, write_json)
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.model.memory import per_device_bytes  # noqa: E402
 from pocketjax.engine.plan import Signature  # noqa: E402
@@ -45,26 +45,17 @@ LINKS = {"PCIe 4.0 x16": 25e9, "NVLink": 300e9}  # effective bytes/s per directi
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-tiny", help=f"HF folder or a preset: {', '.join(PRESETS)}")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_options(p, model="qwen3-tiny", dtype="float32")
     p.add_argument("--tp", default="1,2", help="comma-separated tensor-parallel degrees")
-    p.add_argument("--concurrency", default="1,4", help="comma-separated numbers of concurrent requests")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--gen-len", type=int, default=32, help="tokens generated per request (first one by prefill)")
-    p.add_argument("--repeats", type=int, default=3)
+    add_options(p, concurrency="1,4", prompt_len=128, gen_len=32, repeats=3)
     p.add_argument("--attention", default="auto", choices=list(ATTENTION_IMPLS))
-    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
-    p.add_argument("--json", default=None, help="write {machine, records, paper} here")
-    p.add_argument("--quick", action="store_true", help=f"smoke run (< 2 minutes on 2 cores): {QUICK}")
-    return p
+    add_options(p, cache_dir=DEFAULT_CACHE_DIR, json=None)
+    return add_quick(p, QUICK, " (< 2 minutes on 2 cores)")
 
 
 def resolve_args(argv: list[str] | None = None) -> SimpleNamespace:
     """Parsed flags; --quick fills every flag that was left at its default."""
-    parser = build_parser()
-    args = vars(parser.parse_args(argv))
-    if args["quick"]:
-        args.update({k: v for k, v in QUICK.items() if args[k] == parser.get_default(k)})
+    args = parse(build_parser(), argv, QUICK)
     args["tp"], args["concurrency"] = parse_ints(args["tp"]), parse_ints(args["concurrency"])
     return SimpleNamespace(**args)
 
@@ -138,39 +129,32 @@ def paper_model(layers: int, hidden: int, bytes_per_value: int, tp: int, decode_
 
 
 def table(records: list[dict], paper: list[dict]) -> str:
-    lines = ["| tp | concurrency | prefill tok/s | decode tok/s | decode ms/step | params MiB/device | "
-             "cache MiB/device | all-reduces/decode step |", "|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        lines.append(f"| {r['tp']} | {r['concurrency']} | {r['prefill_tok_s']:.0f} | {r['decode_tok_s']:.1f} | "
-                     f"{r['decode_step_ms']:.1f} | {r['param_bytes_per_device'] / 2**20:.2f} | "
-                     f"{r['cache_bytes_per_device'] / 2**20:.2f} | {r['decode_all_reduces']} |")
-    lines += ["", f"Paper: {PAPER['layers']}-layer Qwen, hidden {PAPER['hidden']}, fp16, TP{PAPER['tp']}: "
-              f"2 all-reduces of [tokens, hidden] per layer (bandwidth term only)", "",
-              "| step | tokens | all-reduces | volume MB | MB sent/device | " + " | ".join(f"ms {n}" for n in LINKS)
-              + " |", "|---|---|---|---|---|" + "---|" * len(LINKS)]
-    for p in paper:
-        lines.append(f"| {p['phase']} | {p['tokens']} | {p['all_reduces']} | {p['volume_bytes'] / 1e6:.1f} | "
-                     f"{p['wire_bytes_per_device'] / 1e6:.1f} | "
-                     + " | ".join(f"{p[f'ms_{n}']:.3f}" for n in LINKS) + " |")
-    return "\n".join(lines)
+    measured = markdown_table(["tp", "concurrency", "prefill tok/s", "decode tok/s", "decode ms/step",
+                               "params MiB/device", "cache MiB/device", "all-reduces/decode step"], (
+        [r["tp"], r["concurrency"], f"{r['prefill_tok_s']:.0f}", f"{r['decode_tok_s']:.1f}",
+         f"{r['decode_step_ms']:.1f}", f"{r['param_bytes_per_device'] / 2**20:.2f}",
+         f"{r['cache_bytes_per_device'] / 2**20:.2f}", r["decode_all_reduces"]] for r in records))
+    on_paper = markdown_table(["step", "tokens", "all-reduces", "volume MB", "MB sent/device",
+                               *(f"ms {n}" for n in LINKS)], (
+        [p["phase"], p["tokens"], p["all_reduces"], f"{p['volume_bytes'] / 1e6:.1f}",
+         f"{p['wire_bytes_per_device'] / 1e6:.1f}", *(f"{p[f'ms_{n}']:.3f}" for n in LINKS)] for p in paper))
+    return (f"{measured}\n\nPaper: {PAPER['layers']}-layer Qwen, hidden {PAPER['hidden']}, fp16, TP{PAPER['tp']}: "
+            f"2 all-reduces of [tokens, hidden] per layer (bandwidth term only)\n\n{on_paper}")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = resolve_args(argv)
     if max(args.tp) > len(jax.devices()):
         raise SystemExit(f"--tp {max(args.tp)} needs that many devices; this process sees {len(jax.devices())}")
-    folder = model_folder(SimpleNamespace(model=args.model, cache_dir=args.cache_dir, dtype=args.dtype))
+    folder = model_folder(args.model, args.cache_dir, args.dtype)
     t0 = time.perf_counter()
     records = [r for tp in args.tp for r in bench_tp(folder, tp, args)]
     paper = paper_model(**PAPER)
-    machine = {"jax": jax.__version__, "backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-               "cores": len(os.sched_getaffinity(0)), "loadavg": list(os.getloadavg()),
-               "xla_flags": os.environ.get("XLA_FLAGS", ""), "seconds": time.perf_counter() - t0,
-               "settings": {k: v for k, v in vars(args).items() if k != "json"}}
-    out = {"machine": machine, "records": records, "paper": paper}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    out = {"machine": machine("jax", "backend", "devices", "cores", "loadavg", cores=usable_cores(),
+                              xla_flags=os.environ.get("XLA_FLAGS", ""), seconds=time.perf_counter() - t0,
+                              settings={k: v for k, v in vars(args).items() if k != "json"}),
+           "records": records, "paper": paper}
+    write_json(args.json, out)
     print(table(records, paper))
     return out
 

@@ -16,12 +16,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 
@@ -29,12 +26,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
+                               parse_ints, usable_cores, write_json)
 from benchmarks.presets import preset_config  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 from pocketjax.engine.plan import Signature, StepRules, empty_plan  # noqa: E402
-from pocketjax.engine.steps import decode_step  # noqa: E402
+from pocketjax.engine.steps import SlotState, decode_step  # noqa: E402
 from pocketjax.model.checkpoint import nest, param_tensors  # noqa: E402
 from pocketjax.model.config import ModelConfig  # noqa: E402
 from pocketjax.model.decoder import load_model, resolve_scan_layers  # noqa: E402
@@ -46,16 +45,9 @@ SLOTS, SEQ = 8, 256  # the compiled decode shape: every slot (the engine's dense
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", default="16,32,64", help="depths whose decode step is compiled")
-    p.add_argument("--concurrency", default="1,8", help="decode ms/step at these concurrencies")
-    p.add_argument("--model", default="qwen3-0.6b", help="HF folder or a preset of benchmarks/presets.py (decode)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps per repeat")
-    p.add_argument("--repeats", type=int, default=3)
+    add_options(p, concurrency="1,8", model="qwen3-0.6b", dtype="float32", prompt_len=32, steps=16, repeats=3)
     p.add_argument("--no-decode", dest="decode", action="store_false", help="only the compile rows")
-    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
-    p.add_argument("--json", default=None)
-    return p
+    return add_options(p, cache_dir=DEFAULT_CACHE_DIR, json=None)
 
 
 def abstract_params(config: ModelConfig, scan: bool) -> dict:
@@ -74,9 +66,10 @@ def compile_seconds(layers: int, scan: bool) -> dict:
     config = ModelConfig.from_dict({**preset_config("qwen3-0.6b"), "num_hidden_layers": layers})
     c = config
     cache = jax.eval_shape(lambda: init_cache(layers, SLOTS, c.num_kv_heads, SEQ, c.head_dim, jnp.float32, scan))
+    state = jax.eval_shape(lambda: SlotState.zeros(SLOTS, c.vocab_size))
     rules = StepRules(SLOTS, SEQ, SEQ, 16, SEQ, "xla", c.vocab_size)  # an engine of SLOTS slots x SEQ
     t0, c0 = time.perf_counter(), time.process_time()
-    lowered = decode_step.lower(abstract_params(config, scan), cache,
+    lowered = decode_step.lower(abstract_params(config, scan), cache, state,
                                 empty_plan(rules, Signature("decode", SLOTS, kv_len=SEQ)), config=config, impl="xla")
     t1, c1 = time.perf_counter(), time.process_time()
     lowered.compile()
@@ -110,43 +103,43 @@ def decode_ms(model, concurrency: int, args) -> float:
 
 def table(records: list[dict]) -> str:
     compiles = {(r["layers"], r["scan"]): r for r in records if r["kind"] == "compile"}
-    lines = ["| layers | unrolled lower s | unrolled compile s (CPU s) | scan lower s | scan compile s (CPU s) |",
-             "|---|---|---|---|---|"]
+    lower = lambda r: f"{r['lower_s']:.2f}" if r else "-"  # noqa: E731
+    comp = lambda r: f"{r['compile_s']:.2f} ({r['compile_cpu_s']:.2f})" if r else "-"  # noqa: E731
+    rows = []
     for layers in sorted({k[0] for k in compiles}):
         u, s = compiles.get((layers, False)), compiles.get((layers, True))
-        lower = lambda r: f"{r['lower_s']:.2f}" if r else "-"  # noqa: E731
-        comp = lambda r: f"{r['compile_s']:.2f} ({r['compile_cpu_s']:.2f})" if r else "-"  # noqa: E731
-        lines.append(f"| {layers} | {lower(u)} | {comp(u)} | {lower(s)} | {comp(s)} |")
+        rows.append([layers, lower(u), comp(u), lower(s), comp(s)])
+    text = markdown_table(["layers", "unrolled lower s", "unrolled compile s (CPU s)", "scan lower s",
+                           "scan compile s (CPU s)"], rows)
     decodes = [r for r in records if r["kind"] == "decode"]
     if decodes:
-        lines += ["", "| concurrency | unrolled ms/step | scan ms/step | scan / unrolled | auto picks |",
-                  "|---|---|---|---|---|"]
         by = {(r["concurrency"], r["scan"]): r for r in decodes}
+        rows = []
         for c in sorted({r["concurrency"] for r in decodes}):
             u, s = by[c, False], by[c, True]
-            lines.append(f"| {c} | {u['ms_per_step']:.1f} | {s['ms_per_step']:.1f} | "
-                         f"{s['ms_per_step'] / u['ms_per_step']:.2f} | {'scan' if u['auto_scan'] else 'unrolled'} |")
-    return "\n".join(lines)
+            rows.append([c, f"{u['ms_per_step']:.1f}", f"{s['ms_per_step']:.1f}",
+                         f"{s['ms_per_step'] / u['ms_per_step']:.2f}", "scan" if u["auto_scan"] else "unrolled"])
+        text += "\n\n" + markdown_table(["concurrency", "unrolled ms/step", "scan ms/step", "scan / unrolled",
+                                          "auto picks"], rows)
+    return text
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = build_parser().parse_args(argv)
     records = []
-    for layers in [int(n) for n in args.layers.split(",") if n]:
+    for layers in parse_ints(args.layers):
         for scan in (False, True):
             record = compile_seconds(layers, scan)
             records.append(record)
             print(f"{layers} layers, {'scan' if scan else 'unrolled'}: lower {record['lower_s']:.2f} s, "
                   f"compile {record['compile_s']:.2f} s", flush=True)
     if args.decode:
-        from benchmarks.bench_engine import model_folder
-
-        folder = model_folder(SimpleNamespace(model=args.model, cache_dir=args.cache_dir, dtype=args.dtype))
+        folder = model_folder(args.model, args.cache_dir, args.dtype)
         tokens = {}
         for scan in (False, True):
             model = load_model(folder, dtype=args.dtype, scan_layers=scan)
             auto = resolve_scan_layers("auto", model.config)
-            for c in [int(n) for n in args.concurrency.split(",") if n]:
+            for c in parse_ints(args.concurrency):
                 ms, runs, tokens[scan, c] = decode_ms(model, c, args)
                 records.append({"kind": "decode", "concurrency": c, "scan": scan, "ms_per_step": ms, "runs_ms": runs,
                                 "layers": model.config.num_layers, "auto_scan": auto})
@@ -155,12 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
             gc.collect()
         for c in {k[1] for k in tokens}:  # greedy tokens of both layouts agree (a sanity check, not a timing)
             assert tokens[False, c] == tokens[True, c], f"scan and unrolled greedy tokens differ at c={c}"
-    machine = {"jax": jax.__version__, "backend": jax.default_backend(), "cores": len(os.sched_getaffinity(0)),
-               "loadavg": list(os.getloadavg())}
-    out = {"machine": machine, "settings": vars(args), "records": records}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    out = {"machine": machine("jax", "backend", "cores", "loadavg", cores=usable_cores()), "settings": vars(args),
+           "records": records}
+    write_json(args.json, out)
     print(table(records))
     return out
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import platform
 import time
 import traceback
 
@@ -24,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.common import machine, markdown_table, write_json
 from pallas_kernels import decode_attention, prefill_attention, reference, tuning
 from pocketjax.model.kv_cache import quantize
 from pocketjax.model.layers import resolve_impl
@@ -127,17 +127,16 @@ def bench_prefill(tq, q_heads, kv_heads, d, dtype, impls, interpret, repeats, pe
 
 
 def markdown(rows, peaks) -> str:
-    lines = [f"peak copy bandwidth {peaks['copy_gbps']:.1f} GB/s, peak matmul "
-             f"{peaks['matmul_tflops']:.2f} TFLOP/s ({peaks['device']})", "",
-             "| kind | impl | slots | seq | ms | GB/s | TFLOP/s | % peak | note |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
+    def cells(r):
         def f(key, fmt):
             return format(r[key], fmt) if key in r else ""
         note = r.get("error", "interpret mode: not a kernel timing" if r["interpret"] else "")
-        lines.append(f"| {r['kind']} | {r['impl']} | {r['slots']} | {r['seq']} | {f('ms', '.3f')} | "
-                     f"{f('gbps', '.1f')} | {f('tflops', '.2f')} | {f('pct_peak', '.1f')} | {note} |")
-    return "\n".join(lines)
+        return [r["kind"], r["impl"], r["slots"], r["seq"], f("ms", ".3f"), f("gbps", ".1f"), f("tflops", ".2f"),
+                f("pct_peak", ".1f"), note]
+
+    return (f"peak copy bandwidth {peaks['copy_gbps']:.1f} GB/s, peak matmul {peaks['matmul_tflops']:.2f} TFLOP/s "
+            f"({peaks['device']})\n\n" + markdown_table(["kind", "impl", "slots", "seq", "ms", "GB/s", "TFLOP/s",
+                                                         "% peak", "note"], map(cells, rows)))
 
 
 def main() -> None:
@@ -187,15 +186,12 @@ def main() -> None:
         rows += bench_prefill(tq, q_heads, kv_heads, d, dtype, impls, interpret,
                               repeats, peaks["matmul_tflops"] * 1e12)
 
-    meta = dict(jax=jax.__version__, python=platform.python_version(), target=target,
-                heads=[q_heads, kv_heads], head_dim=d, dtype=str(dtype), quick=quick,
-                decode_block=tuning.block_sizes("decode", d, dtype, "cpu" if interpret else device),
-                prefill_block=tuning.block_sizes("prefill", d, dtype, "cpu" if interpret else device),
-                attention_impl=resolve_impl("auto", device=device),
-                triton_unsupported=tuning.triton_unsupported(device), peaks=peaks)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
+    meta = machine("jax", "python", target=target, heads=[q_heads, kv_heads], head_dim=d, dtype=str(dtype),
+                   quick=quick, decode_block=tuning.block_sizes("decode", d, dtype, "cpu" if interpret else device),
+                   prefill_block=tuning.block_sizes("prefill", d, dtype, "cpu" if interpret else device),
+                   attention_impl=resolve_impl("auto", device=device),
+                   triton_unsupported=tuning.triton_unsupported(device), peaks=peaks)
+    write_json(args.json, dict(meta=meta, rows=rows), indent=1)
     print(json.dumps(meta, default=str))
     print(markdown(rows, peaks))
     if args.smoke and any("error" in r for r in rows):

@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
-from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import machine, markdown_table, versions, write_json  # noqa: E402
 
 SNIPPETS = [
     "def add(a, b):\n    return a + b\n",
@@ -117,7 +117,7 @@ def main() -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import pocketjax as pj
     from pocketjax.serve.llm import DEFAULT_MODEL
-    from pocketjax.serve.server import BackgroundServer, create_app
+    from pocketjax.serve.http.server import BackgroundServer, create_app
 
     load = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
@@ -144,19 +144,15 @@ def main() -> int:
             if metric.endswith(",none") and "stderr" not in metric:
                 rows.append((task, metric.split(",")[0], value, served["results"][task][metric]))
     diffs = compare(per_request(ref), per_request(served))
-    versions = {name: version(name) for name in ("lm_eval", "transformers", "torch", "jax")}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
-            "machine": {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
-                        "loadavg_start": load, "loadavg_end": os.getloadavg(), "concurrent": args.concurrent,
-                        "max_length": args.max_length, "versions": versions},
-            "metrics": [dict(zip(("task", "metric", "hf", "pocketjax"), r)) for r in rows],
-            "per_request": diffs, "server_calls": calls}, indent=2))
-    print(json.dumps({"versions": versions, "per_request": diffs, "server_calls": calls}))
-    print("| task | metric | hf (transformers) | pocketjax serve |\n|---|---|---|---|")
-    for task, metric, a, b in rows:
-        print(f"| {task} | {metric} | {a:.6g} | {b:.6g} |")
+    installed = versions("lm_eval", "transformers", "torch", "jax")
+    write_json(args.json, {
+        "machine": machine("platform", "python", "cpus", loadavg_start=load, loadavg_end=os.getloadavg(),
+                           concurrent=args.concurrent, max_length=args.max_length, versions=installed),
+        "metrics": [dict(zip(("task", "metric", "hf", "pocketjax"), r)) for r in rows],
+        "per_request": diffs, "server_calls": calls})
+    print(json.dumps({"versions": installed, "per_request": diffs, "server_calls": calls}))
+    print(markdown_table(["task", "metric", "hf (transformers)", "pocketjax serve"],
+                         ([task, metric, f"{a:.6g}", f"{b:.6g}"] for task, metric, a, b in rows)))
     return 0
 
 

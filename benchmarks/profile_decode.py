@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import jax  # noqa: E402
 
-from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, markdown_table, model_folder,  # noqa: E402
+                               parse_ints, write_json)
 from pocketjax import BatchedRequest, Engine, SamplingParams, load_model  # noqa: E402
 
 
@@ -82,19 +83,14 @@ def profile(engine: Engine, c: int, prompt_len: int, steps: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--dtype", default="bfloat16", help="the checkpoint's dtype (a preset is built in it)")
+    add_options(p, model="qwen3-0.6b", dtype="bfloat16")
     p.add_argument("--load-dtypes", default="bfloat16,float32")
-    p.add_argument("--concurrency", default="1,2")
-    p.add_argument("--prompt-len", type=int, default=128)
-    p.add_argument("--steps", type=int, default=8)
+    add_options(p, concurrency="1,2", prompt_len=128, steps=8)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench")
-    p.add_argument("--json", default=None)
+    add_options(p, cache_dir=DEFAULT_CACHE_DIR, json=None)
     args = p.parse_args()
-    folder = (build_preset(args.model, Path(args.cache_dir) / f"{args.model}-{args.dtype}", args.dtype)
-              if args.model in PRESETS else Path(args.model))
-    cs = [int(c) for c in args.concurrency.split(",")]
+    folder = model_folder(args.model, args.cache_dir, args.dtype)
+    cs = parse_ints(args.concurrency)
     records = []
     for dtype in args.load_dtypes.split(","):
         model = load_model(folder, dtype=dtype)
@@ -102,15 +98,13 @@ def main() -> None:
         for c in cs:
             records.append({"dtype": dtype, **profile(engine, c, args.prompt_len, args.steps)})
         del engine, model
-    if args.json:
-        Path(args.json).write_text(json.dumps({"settings": vars(args), "records": records}, indent=1))
+    write_json(args.json, {"settings": vars(args), "records": records}, indent=1)
     for r in records:
         total = sum(r["kinds_ms"].values())
         print(f"\n{r['dtype']} c={r['concurrency']}: step {r['step_ms']:.1f} ms wall, ops {total:.1f} ms")
-        print("| op | ms/step | share |")
-        print("|---|---|---|")
-        for name, ms in sorted(r["kinds_ms"].items(), key=lambda kv: -kv[1])[:args.top]:
-            print(f"| {name} | {ms:.2f} | {100 * ms / total:.1f}% |")
+        print(markdown_table(["op", "ms/step", "share"], (
+            [name, f"{ms:.2f}", f"{100 * ms / total:.1f}%"]
+            for name, ms in sorted(r["kinds_ms"].items(), key=lambda kv: -kv[1])[:args.top])))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -32,18 +31,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import pocketjax as pj  # noqa: E402
-from benchmarks.presets import PRESETS, build_preset  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
+                               write_json)
 from pocketjax.engine.config import EngineConfig  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import RequestStatus  # noqa: E402
 from pocketjax.engine.plan import decode_at  # noqa: E402
-from pocketjax.engine.sampling import SamplingParams  # noqa: E402
+from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 from pocketjax.engine.steps import decode_step, sample_step  # noqa: E402
 from pocketjax.serve.scheduler import Scheduler  # noqa: E402
 
@@ -55,6 +56,17 @@ MODEL = dict(quick=dict(hidden_size=256, intermediate_size=768, num_hidden_layer
 # (prompt lengths, output lengths, max_seq_len, prefill_chunk, min_prefill_bucket): --quick compiles one attention
 # length and one chunk width, because on 2 CPU cores each compiled shape costs seconds.
 SHAPES = dict(quick=((4, 48), (4, 24), 128, 32, 32), full=((16, 192), (16, 96), 512, 64, 16))
+
+
+def stream_settings(args) -> tuple[EngineConfig, tuple, tuple, int, float]:
+    """What --quick, --slots, --requests and --rate make of a stream (here and in bench_serve.py): the engine config,
+    the prompt and output length ranges, the number of requests and their arrival rate."""
+    prompts, outputs, max_seq_len, chunk, min_chunk = SHAPES["quick" if args.quick else "full"]
+    config = EngineConfig(max_batch_size=args.slots, max_seq_len=max_seq_len, prefill_chunk=chunk,
+                          min_prefill_bucket=min_chunk)
+    n = args.requests or (24 if args.quick else 48)
+    rate = args.rate if args.rate is not None else (6.0 if args.quick else 8.0)
+    return config, prompts, outputs, n, rate
 
 
 @dataclass
@@ -133,18 +145,21 @@ def device_step_s(scratch: Engine, positions: list[int], steps: int) -> float:
     len(positions) rows, `steps` times back to back, each fed the previous step's tokens on device, one block at the
     end. Rows start at `positions` (where the measured loop's requests are), so attention reads the same lengths.
     `scratch` is an engine of the same configuration whose cache may be overwritten (same compiled executables)."""
-    model = scratch.model
+    model, n = scratch.model, len(positions)
+    zeros = jnp.zeros(n, jnp.int32)  # rows 0..n-1 continue from `positions`: the slots' state feeds each step
+    scratch.slot_state = scratch.slot_state.advance(jnp.arange(n), zeros + 1, jnp.asarray(positions, jnp.int32), zeros)
 
-    def step(tokens, k: int):  # the plan the engine builds for these rows, k positions on
-        plan, sample = decode_at(scratch.rules, [p + k for p in positions], k, tokens)
-        scratch.cache, logits = decode_step(model.params, scratch.cache, plan, config=model.config, impl=scratch.impl)
-        scratch.penalties, out = sample_step(scratch.penalties, logits, sample)
+    def step(k: int):  # the plan the engine builds for these rows, k positions on
+        plan, sample = decode_at(scratch.rules, [p + k for p in positions])
+        scratch.cache, logits = decode_step(model.params, scratch.cache, scratch.slot_state, plan,
+                                            config=model.config, impl=scratch.impl)
+        scratch.slot_state, out = sample_step(scratch.slot_state, logits, sample)
         return out.tokens
 
-    tokens = jax.block_until_ready(step(jax.block_until_ready(step(None, 0)), 1))  # warm
+    jax.block_until_ready(step(0)), jax.block_until_ready(step(1))  # warm
     t0 = time.perf_counter()
     for k in range(2, 2 + steps):
-        tokens = step(tokens, k)
+        tokens = step(k)
     jax.block_until_ready(tokens)
     return (time.perf_counter() - t0) / steps
 
@@ -290,16 +305,14 @@ COLUMNS = ["system", "requests", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "
 
 
 def table(records: list[dict], cols: list[str] = COLUMNS) -> str:
-    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in records]
-    return "\n".join(lines)
+    return markdown_table(cols, ([r.get(c, "") for c in cols] for r in records))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help=f"HF checkpoint folder or a preset ({', '.join(PRESETS)}; built once into "
+    parser.add_argument("--model", help="HF checkpoint folder or a preset of benchmarks/presets.py (built once into "
                                         "--cache-dir); default: a random-weight Qwen3 built here")
-    parser.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
+    add_options(parser, cache_dir=DEFAULT_CACHE_DIR)
     parser.add_argument("--no-stream", action="store_true", help="skip the Poisson stream (and transformers): only "
                                                                  "the host-share measurement")
     parser.add_argument("--quick", action="store_true", help="small model and stream: ~2 minutes on 2 CPU cores")
@@ -315,30 +328,20 @@ def main() -> None:
     load_start = os.getloadavg()
     size = "quick" if args.quick else "full"
     repeats = args.repeats or (5 if args.quick else 3)
-    prompts, outputs, max_seq_len, chunk, min_chunk = SHAPES[size]
-    config = EngineConfig(max_batch_size=args.slots, max_seq_len=max_seq_len, prefill_chunk=chunk,
-                          min_prefill_bucket=min_chunk)
-    n = args.requests or (24 if args.quick else 48)
-    rate = args.rate if args.rate is not None else (6.0 if args.quick else 8.0)
+    config, prompts, outputs, n, rate = stream_settings(args)
 
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model in PRESETS:
-            folder = build_preset(args.model, Path(args.cache_dir) / f"{args.model}-float32")
-        else:
-            folder = Path(args.model) if args.model else build_checkpoint(Path(tmp), size)
+        folder = model_folder(args.model, args.cache_dir) if args.model else build_checkpoint(Path(tmp), size)
         model = pj.load_model(folder)
         items = workload(n, rate, prompts, outputs, model.config.vocab_size, args.seed)
         records = run_pocketjax(model, items, config, outputs[1], not args.no_stream, repeats)
         if "transformers" in args.peers.split(",") and not args.no_stream:
             records.append(run_transformers(folder, items, args.slots, args.torch_threads))
 
-    machine = {"platform": platform.platform(), "python": platform.python_version(), "jax": jax.__version__,
-               "device": str(jax.devices()[0]), "model": args.model or f"random qwen3 {MODEL[size]}",
-               "rate": rate, "requests": n, "slots": args.slots, "seed": args.seed, "repeats": repeats,
-               "loadavg_start": load_start, "loadavg_end": os.getloadavg()}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"machine": machine, "records": records}, indent=2))
+    info = machine("platform", "python", "jax", "device", model=args.model or f"random qwen3 {MODEL[size]}",
+                   rate=rate, requests=n, slots=args.slots, seed=args.seed, repeats=repeats,
+                   loadavg_start=load_start, loadavg_end=os.getloadavg())
+    write_json(args.json, {"machine": info, "records": records})
     for r in records:
         print(json.dumps(r))
     print(table(records))

@@ -27,6 +27,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 # Nothing that imports jax or pocketjax at the top: a child process times those imports itself.
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
+                               usable_cores, write_json)
 
 VARIABLE = "POCKETJAX_COMPILE_CACHE_DIR"
 RUNS = (  # name, compile cache folder ("cache" or "warmup": a fresh folder shared by the pair), warm up
@@ -37,15 +39,13 @@ RUNS = (  # name, compile cache folder ("cache" or "warmup": a fresh folder shar
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="qwen3-tiny", help="HF folder or a preset of benchmarks/presets.py")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_options(p, model="qwen3-tiny", dtype="float32")
     p.add_argument("--max-seq-len", type=int, default=2048, help="engine max_seq_len (the engine's default)")
     p.add_argument("--max-batch-size", type=int, default=8, help="engine slots (the engine's default)")
-    p.add_argument("--prompt-len", type=int, default=32)
+    add_options(p, prompt_len=32)
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the two warm-up rows")
     p.add_argument("--scan-layers", default="auto", choices=["auto", "on", "off"], help="load_model's scan_layers")
-    p.add_argument("--cache-dir", default="/tmp/pocketjax-bench", help="where presets are built")
-    p.add_argument("--json", default=None, help="write {machine, settings, records} here")
+    add_options(p, cache_dir=DEFAULT_CACHE_DIR, json=None)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one measured process: its compile cache
     p.add_argument("--child-warmup", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -97,13 +97,11 @@ def measure(args: SimpleNamespace, folder: Path, cache: str, warm_up: bool) -> d
 
 
 def table(records: list[dict]) -> str:
-    lines = [("| run | from launch s | import s | load s | engine s | warm-up shapes | warm-up s | first token s | "
-              "cache entries | cache MiB |"), "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        lines.append(f"| {r['run']} | {r['from_launch_s']:.2f} | {r['import_s']:.2f} | {r['load_s']:.2f} | "
-                     f"{r['engine_s']:.2f} | {r['warmup_shapes']} | {r['warmup_s']:.2f} | {r['first_token_s']:.2f} | "
-                     f"{r['cache_entries']} | {r['cache_bytes'] / 2**20:.1f} |")
-    return "\n".join(lines)
+    return markdown_table(["run", "from launch s", "import s", "load s", "engine s", "warm-up shapes", "warm-up s",
+                           "first token s", "cache entries", "cache MiB"], (
+        [r["run"], f"{r['from_launch_s']:.2f}", f"{r['import_s']:.2f}", f"{r['load_s']:.2f}", f"{r['engine_s']:.2f}",
+         r["warmup_shapes"], f"{r['warmup_s']:.2f}", f"{r['first_token_s']:.2f}", r["cache_entries"],
+         f"{r['cache_bytes'] / 2**20:.1f}"] for r in records))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -111,9 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child is not None:
         print(json.dumps(child(args)))
         return {}
-    from benchmarks.bench_engine import model_folder
-
-    folder = model_folder(SimpleNamespace(model=args.model, cache_dir=args.cache_dir, dtype=args.dtype))
+    folder = model_folder(args.model, args.cache_dir, args.dtype)
     measure(args, folder, "off", False)  # unrecorded: the first process alone pays the disk and the OS's memory
     work = Path(tempfile.mkdtemp(prefix="pocketjax-startup-"))
     t0 = time.perf_counter()
@@ -127,15 +123,10 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name}: {record['from_launch_s']:.2f} s to the first token", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    import jax
-
-    machine = {"jax": jax.__version__, "backend": jax.default_backend(), "cores": len(os.sched_getaffinity(0)),
-               "loadavg": list(os.getloadavg()), "seconds": time.perf_counter() - t0}
-    out = {"machine": machine, "settings": {k: v for k, v in vars(args).items() if not k.startswith(("json", "child"))},
-           "records": records}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(out, indent=2))
+    out = {"machine": machine("jax", "backend", "cores", "loadavg", cores=usable_cores(),
+                              seconds=time.perf_counter() - t0),
+           "settings": {k: v for k, v in vars(args).items() if not k.startswith(("json", "child"))}, "records": records}
+    write_json(args.json, out)
     print(table(records))
     return out
 

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
+import sys
 import threading
 import time
 import urllib.error
@@ -28,9 +28,12 @@ from pathlib import Path
 import psutil
 
 import pocketjax as pj
-from pocketjax.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS
-from pocketjax.serve.http_guard import ServerLimits
-from pocketjax.serve.server import BackgroundServer, create_app
+from pocketjax.engine.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from pocketjax.serve.http.http_guard import ServerLimits
+from pocketjax.serve.http.server import BackgroundServer, create_app
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: benchmarks.common
+from benchmarks.common import add_options, machine, markdown_table, write_json  # noqa: E402
 
 KEY = "bench-key"
 
@@ -177,25 +180,17 @@ def run(args: argparse.Namespace) -> dict:
 
         records.append(case(f"{args.half_open} half-open connections", probe, half_open))
         probe.close()
-    result = {"machine": {"loadavg": os.getloadavg(), "cores": os.cpu_count()}, "records": records}
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    print("| case | s | /health worst s | RSS MB | fds | outcome |\n|---|---|---|---|---|---|")
-    for r in records:
-        print(f"| {r['case']} | {r['seconds']} | {r['health_worst_s']} | {r['rss_mb_before']}->{r['rss_mb_after']} | "
-              f"{r['fds_before']}->{r['fds_after']} | {r['outcome']} |")
+    result = {"machine": machine("loadavg", "cores"), "records": records}
+    write_json(args.json, result)
+    print(markdown_table(["case", "s", "/health worst s", "RSS MB", "fds", "outcome"], (
+        [r["case"], r["seconds"], r["health_worst_s"], f"{r['rss_mb_before']}->{r['rss_mb_after']}",
+         f"{r['fds_before']}->{r['fds_after']}", r["outcome"]] for r in records)))
     return result
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", default=None)
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--gen-len", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--half-open", type=int, default=1000)
-    p.add_argument("--header-timeout", type=float, default=3.0)
+    add_options(p, json=None, max_seq_len=2048, gen_len=32, repeats=3, half_open=1000, header_timeout=3.0)
     return run(p.parse_args(argv))
 
 

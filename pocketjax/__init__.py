@@ -8,7 +8,7 @@ from . import errors
 from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .engine.request import BatchedRequest, Completion
-from .engine.sampling import SamplingParams
+from .engine.sampling_params import SamplingParams
 from .engine.structured import Structured
 from .model.config import ModelConfig
 from .model.decoder import Model, load_model, logits, loss

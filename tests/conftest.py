@@ -194,6 +194,36 @@ def build_hf_checkpoint_with_transformers(folder: Path, name: str, seed: int = 0
     return folder
 
 
+# A test session compiles thousands of programs, and jit keeps each one (with its code pages) for the life of the
+# process: one pytest process over the whole suite under jax 0.11 ran past the kernel's memory-map limit
+# (vm.max_map_count, 65,530: a test of the batch-invariance matrix adds ~1,000) and XLA aborted mid-compile (CI
+# leg 2, stop 49). After a test that leaves the process past these bounds, the compiled programs are dropped (the
+# next test compiles what it needs).
+MAX_MEMORY_MAPS = int(os.environ.get("POCKETJAX_TEST_MAX_MAPS", 30_000))
+MAX_RSS_BYTES = 8 << 30
+
+
+def process_footprint() -> tuple[int, int]:
+    """(memory maps, resident bytes) of this process (Linux; (0, 0) elsewhere)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            maps = sum(1 for _ in f)
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0, 0
+    return maps, rss
+
+
+@pytest.fixture(autouse=True)
+def bounded_compiled_programs():
+    yield
+    maps, rss = process_footprint()
+    if maps > MAX_MEMORY_MAPS or rss > MAX_RSS_BYTES:
+        jax.clear_caches()
+        print(f"\n[conftest] {maps} memory maps, {rss >> 20} MiB resident: jax.clear_caches()", flush=True)
+
+
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
     """hf_checkpoint(name, **overrides) -> folder of a saved random-weight checkpoint, built once per session."""
@@ -265,7 +295,7 @@ def served(llm, api_key: str | None = None, **app_options):
     if os.environ.get("POCKETJAX_TEST_WARMUP") == "1":
         llm.engine.warmup(progress=False)
 
-    from pocketjax.serve.server import BackgroundServer, create_app
+    from pocketjax.serve.http.server import BackgroundServer, create_app
 
     with BackgroundServer(create_app(llm, api_key=api_key, **app_options)) as server:
         yield server, openai.OpenAI(base_url=server.url + "/v1", api_key=api_key or "unused", max_retries=0,

@@ -18,7 +18,7 @@ import pytest
 import pocketjax as pj
 from conftest import served
 from pocketjax.serve.llm import DEFAULT_MODEL
-from pocketjax.serve.tool_calls import MAX_PARALLEL_CALLS
+from pocketjax.serve.http.tool_calls import MAX_PARALLEL_CALLS
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
 NAME = "pocket-coder"

@@ -15,7 +15,7 @@ import pytest
 import pocketjax as pj
 from pocketjax.engine.engine import Engine
 from pocketjax.engine.request import BatchedRequest
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 from pocketjax.model import cpu_kernels
 
 from test_speculative import run  # allocate, prefill, step to completion (speculative or plain), free
@@ -163,7 +163,7 @@ import json, sys
 import pocketjax as pj
 from pocketjax.engine.engine import Engine
 from pocketjax.engine.request import BatchedRequest
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 engine = Engine(pj.load_model(sys.argv[1]), prefill_chunk=32, max_batch_size=4, max_seq_len=128)
 req = BatchedRequest(0, json.loads(sys.argv[2]), SamplingParams(max_tokens=8, temperature=0.9, seed=7,
                      ignore_eos=True, logprobs=2))

@@ -1,4 +1,6 @@
-"""benchmarks/bench_engine.py end to end on the tiny preset at minimal sizes: the JSON schema, never the timings."""
+"""benchmarks/bench_engine.py end to end on the tiny preset at minimal sizes: the JSON schema, never the timings; and
+benchmarks/common.py, what the scripts share."""
+import argparse
 import importlib.util
 import json
 
@@ -6,10 +8,10 @@ import pytest
 
 from types import SimpleNamespace
 
-from benchmarks import bench_engine, roofline
+from benchmarks import bench_engine, common, roofline
 from benchmarks.presets import gguf_tensor_name, preset_config
 from pocketjax.model.checkpoint import expected_shapes
-from pocketjax.model.config import ModelConfig
+from pocketjax.model.config import DTYPES, ModelConfig
 
 RECORD_KEYS = {"system", "dtype", "concurrency", "prefill_tok_s", "decode_tok_s", "decode_ratio_vs_c1",
                "pct_bandwidth_roofline", "pct_matmul_peak", "decode_step_ms"}
@@ -118,3 +120,32 @@ def test_command_line_options_given_explicitly_survive_quick():
     assert args.prompt_len == bench_engine.QUICK["prompt_len"]
     full = bench_engine.resolve_args(bench_engine.build_parser().parse_args(["--gen-len", "9"]))
     assert (full.gen_len, full.model, full.checks) == (9, "qwen3-0.6b", True)
+
+
+def test_shared_options_keep_their_types_and_quick_fills_only_defaults():
+    quick = dict(model="qwen3-micro", prompt_len=8, concurrency="1")
+    p = common.add_quick(common.add_options(argparse.ArgumentParser(), model="qwen3-tiny", dtype="float32",
+                                            concurrency="1,4", prompt_len=32, header_timeout=3.0, json=None), quick)
+    assert common.parse(p, []) == dict(model="qwen3-tiny", dtype="float32", concurrency="1,4", prompt_len=32,
+                                       header_timeout=3.0, json=None, quick=False)
+    args = common.parse(p, ["--quick", "--prompt-len", "5", "--header-timeout", "0.5"], quick)
+    assert [args[k] for k in ("model", "prompt_len", "concurrency", "header_timeout")] == ["qwen3-micro", 5, "1", 0.5]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--dtype", "float64"])
+    assert common.DTYPES == DTYPES  # the --dtype choices are the dtypes load_model takes
+    assert common.parse_ints("1, 4,,8") == [1, 4, 8] and common.parse_ints("") == []
+
+
+def test_machine_record_json_file_and_markdown_table(tmp_path):
+    info = common.machine(*common.FIELDS, cores=3, run="x")
+    assert list(info) == [*common.FIELDS, "run"] and info["cores"] == 3  # a field given keeps its place
+    assert json.loads(json.dumps(info)) == info
+    common.write_json(None, info)  # no --json: nothing written
+    out = tmp_path / "new" / "folder" / "result.json"
+    common.write_json(out, {"machine": info, "path": tmp_path})
+    assert json.loads(out.read_text()) == {"machine": info, "path": str(tmp_path)}
+    table = common.markdown_table(["a", "b"], [[1, "x"], [2.5, None]])
+    assert table == "| a | b |\n|---|---|\n| 1 | x |\n| 2.5 | None |"
+    with pytest.raises(SystemExit, match="neither a preset"):
+        common.model_folder(str(tmp_path / "nothing-here"))
+

@@ -4,8 +4,8 @@ import pydantic
 import pytest
 
 import pocketjax as pj
-from pocketjax.serve.api_error import APIError
-from pocketjax.serve.openai_protocol import ChatCompletionRequest, CompletionRequest
+from pocketjax.serve.http.api_error import APIError
+from pocketjax.serve.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 MESSAGES = [{"role": "user", "content": "hi"}]

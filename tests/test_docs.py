@@ -1,7 +1,7 @@
 """The docs a newcomer reads: every relative link in README.md, docs/ and benchmarks/README.md reaches a file, and
-the heading it names where it names one.
+the heading it names where it names one; docs/architecture.md names every module of the package.
 
-`python tests/test_docs.py` prints each broken link.
+`python tests/test_docs.py` prints each broken link and each module the architecture does not name.
 """
 import re
 from pathlib import Path
@@ -53,6 +53,27 @@ def broken_links(root: Path = ROOT) -> list[str]:
     return broken
 
 
+def unnamed_modules(root: Path = ROOT) -> list[str]:
+    """Each module of the package (pocketjax/**/*.py but __init__.py) that docs/architecture.md names neither by its
+    file name (`decode_policy.py`) nor by its dotted path (`pocketjax.engine.decode_policy`)."""
+    text = (root / "docs" / "architecture.md").read_text()
+    missing = []
+    for path in sorted((root / "pocketjax").rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        dotted = ".".join(path.relative_to(root).with_suffix("").parts)
+        named = re.search(rf"(?<![\w.]){re.escape(path.name)}(?!\w)", text)
+        if not named and not re.search(rf"(?<![\w.]){re.escape(dotted)}(?!\w)", text):
+            missing.append(path.relative_to(root).as_posix())
+    return missing
+
+
+def test_architecture_names_every_module():
+    missing = unnamed_modules()
+    assert not missing, (f"docs/architecture.md does not name {', '.join(missing)}: add a line for each to its map "
+                         "of the modules (and to the prose where it changes how a request flows)")
+
+
 def test_every_relative_link_resolves():
     assert broken_links() == []
 
@@ -69,5 +90,17 @@ def test_a_missing_file_or_heading_is_reported(tmp_path):
                                       "README.md: benchmarks/README.md#nope (no such heading)"]
 
 
+def test_a_module_missing_from_the_architecture_is_named(tmp_path):
+    for module in ("__init__.py", "a.py", "engine/__init__.py", "engine/plan.py", "engine/decode_policy.py",
+                   "serve/http/server.py"):
+        (tmp_path / "pocketjax" / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pocketjax" / module).write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "architecture.md").write_text("a.py, `pocketjax.serve.http.server`, engine/decode_policy.pyc, "
+                                                       "pocketjax.engine.planner, old_plan.py\n")
+    assert unnamed_modules(tmp_path) == ["pocketjax/engine/decode_policy.py", "pocketjax/engine/plan.py"]
+
+
 if __name__ == "__main__":
     print("\n".join(broken_links()) or "every link resolves")
+    print("\n".join(f"docs/architecture.md does not name {m}" for m in unnamed_modules()) or "every module is named")

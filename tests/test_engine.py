@@ -10,7 +10,7 @@ import pocketjax as pj
 from pocketjax.engine.engine import Engine, PendingDecode
 from pocketjax.engine.request import BatchedRequest
 from pocketjax.errors import CapacityError, RequestError, SamplingError
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 
 from conftest import oracle
 
@@ -261,9 +261,6 @@ def decode_in_flight(engine: Engine, reqs: list[BatchedRequest]) -> list[tuple[P
     steps = []
 
     def dispatch(after=None):
-        if after is not None and not after.continues(reqs):  # a request joined: feed this step from the host
-            engine.decode_collect(after)
-            after = None
         step = engine.decode_dispatch(reqs, after=after)
         steps.append((step, after is not None))
 
@@ -314,6 +311,39 @@ def test_decode_in_flight_equals_host_fed_steps_and_discards_rows_past_a_stop(qw
     assert again.generated_tokens == run(new_engine(), [follow_up], penalized)[0].generated_tokens
 
 
+def test_a_request_that_joins_rides_the_queued_step_without_a_drain(qwen3, monkeypatch):
+    """A request prefilled while a decode step is in flight joins the next step queued behind it, read from its
+    slot's state on device: no host read between the two dispatches, and every token (and logprob) is the one it
+    gets alone."""
+    import pocketjax.engine.engine as engine_module
+
+    _, model = qwen3
+    new_engine = lambda: Engine(model, max_batch_size=4, max_seq_len=64, prefill_chunk=32)  # noqa: E731
+    prompts = random_prompts(5, [7, 12], model.config.vocab_size)
+    params = [SamplingParams(max_tokens=6, temperature=0.0), SamplingParams(max_tokens=5, temperature=0.8, seed=3)]
+    alone = [run(new_engine(), [p], sp)[0] for p, sp in zip(prompts, params)]
+    engine = new_engine()
+    first, joining = (BatchedRequest(i, list(p), sp) for i, (p, sp) in enumerate(zip(prompts, params)))
+    engine.allocate_slot(first)
+    engine.batch_prefill([first])
+    in_flight = engine.decode_dispatch([first])
+    engine.allocate_slot(joining)
+    engine.batch_prefill([joining])
+    reads = []
+    monkeypatch.setattr(engine_module, "to_host", lambda x, read=engine_module.to_host: reads.append(1) or read(x))
+    queued = engine.decode_dispatch([first, joining], after=in_flight)  # before the step in flight is read
+    assert reads == [] and all(r is not None for r in queued.rows[:2])
+    engine.decode_collect(in_flight)
+    steps = [queued]
+    while not (first.finished and joining.finished):
+        steps.append(engine.decode_dispatch([first, joining], after=steps[-1]))
+        engine.decode_collect(steps[-2])
+    engine.decode_collect(steps[-1])
+    assert len(reads) == 1 + sum(bool(step.rows) for step in steps)  # one read per step that ran, nothing more
+    for got, want in zip((first, joining), alone):
+        assert got.generated_tokens == want.generated_tokens and got.logprobs == want.logprobs
+
+
 def test_one_slot_decode_never_copies_the_cache(qwen3):
     """A 1-slot engine decodes through the gather path: the dense path's one-row write makes XLA:CPU copy every
     layer's cache several times per step once attention reads all of it (kv bucket == max_seq_len)."""
@@ -328,7 +358,7 @@ def test_one_slot_decode_never_copies_the_cache(qwen3):
     engine.batch_prefill([req])
     step = engine.decode_dispatch([req])
     engine.decode_collect(step)
-    assert step.dense is False
+    assert step.plan.dense is False
     c = model.config
     shape = rf"f32\[1,{c.num_kv_heads},128,{c.head_dim}\]"
     hlo = engine.lower(Signature("decode", rows=1, kv_len=128)).compile().as_text()

@@ -11,7 +11,7 @@ import pytest
 import pocketjax as pj
 from pocketjax.engine.engine import Engine
 from pocketjax.engine.request import BatchedRequest
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 from pocketjax.errors import SamplingError
 
 from test_engine import random_prompts, run

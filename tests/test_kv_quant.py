@@ -13,7 +13,7 @@ from pocketjax.engine.engine import Engine
 from pocketjax.engine.request import BatchedRequest
 from pocketjax.errors import ConfigError
 from pocketjax.model.kv_cache import QMAX, copy_prefix, dequantize, init_cache, quantize
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 from test_engine import MIXED, random_prompts, run
 
 KV_DTYPES = ["int8", "float8_e4m3fn"]

@@ -10,6 +10,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # A module may import only from its own layer or those before it; the kernels import nothing of pocketjax.
 LAYERS = ("errors", "model", "nnx", "engine", "serve", "training")  # nnx: the model as a Flax NNX module
+HTTP = "pocketjax.serve.http"  # imports the rest of serve; nothing there but the command line imports it
+SERVE_CLI = "pocketjax.serve.cli"
 
 
 def module_name(path: Path) -> str:
@@ -68,6 +70,19 @@ def test_imports_flow_one_way():
                 assert not dep.startswith("pocketjax"), f"{module} imports {dep}: the kernels stand alone"
             elif dep.startswith("pocketjax"):
                 assert LAYERS.index(layer(dep)) <= LAYERS.index(layer(module)), f"{module} imports {dep}"
+
+
+def test_in_process_serving_never_imports_http():
+    """serve.http sits on the in-process serving modules (scheduler, handles, LLM, tokenizer), never under them:
+    they serve Python callers without FastAPI. The command line starts both, so it may import either."""
+    def within(module: str, package: str) -> bool:
+        return module == package or module.startswith(package + ".")
+
+    for module, deps in graph().items():
+        if not within(module, "pocketjax.serve") or within(module, HTTP) or module == SERVE_CLI:
+            continue
+        http = sorted(d for d in deps if within(d, HTTP))
+        assert not http, f"{module} imports {', '.join(http)}: the HTTP layer imports serving, not the reverse"
 
 
 def test_no_import_cycles():

@@ -10,7 +10,7 @@ from dataclasses import asdict
 import pytest
 
 from pocketjax.engine.request import BatchedRequest
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 from pocketjax.errors import DistributedError, RequestError, SamplingError, StoppedError
 from pocketjax.serve.distributed import ProcessGroup
 from pocketjax.serve.handle import RequestHandle

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import pocketjax as pj
 from pocketjax.serve.llm import DEFAULT_MODEL
-from pocketjax.serve.server import BackgroundServer, create_app
+from pocketjax.serve.http.server import BackgroundServer, create_app
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
 SLOTS, CONTEXT = 4, 128  # test_server's engine shape: a shared session reuses its compiled steps

@@ -19,11 +19,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import pocketjax as pj
 from pocketjax.errors import RequestError
-from pocketjax.serve import cli, server as server_module
-from pocketjax.serve.http_guard import (HTTP_PROTOCOL, MAX_DEFAULT_CONNECTIONS, ConnectionRules, ServerLimits,
+from pocketjax.serve import cli
+from pocketjax.serve.http import server as server_module
+from pocketjax.serve.http.http_guard import (HTTP_PROTOCOL, MAX_DEFAULT_CONNECTIONS, ConnectionRules, ServerLimits,
                                         default_max_connections)
 from pocketjax.serve.llm import DEFAULT_MODEL
-from pocketjax.serve.server import BackgroundServer, create_app
+from pocketjax.serve.http.server import BackgroundServer, create_app
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
 SLOTS, CONTEXT = 4, 128  # test_server's engine shape: a shared session reuses its compiled steps
@@ -298,7 +299,7 @@ CHILD = textwrap.dedent("""
     import resource, sys, time
     resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     from fastapi import FastAPI
-    from pocketjax.serve.server import BackgroundServer
+    from pocketjax.serve.http.server import BackgroundServer
     app = FastAPI()
     app.get("/health")(lambda: {"status": "ok"})
     with BackgroundServer(app) as server:

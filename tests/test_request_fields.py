@@ -1,5 +1,5 @@
 """Every request field accounted for (issue 44): unknown fields are a 400 naming them, harmless ones pass and change
-nothing, and each implemented vLLM extra (serve/openai_protocol.py `VllmFields`, engine/processors.py) is checked
+nothing, and each implemented vLLM extra (serve/http/openai_protocol.py `VllmFields`, engine/processors.py) is checked
 with the official openai client against an independent reference: the request without the field, the tokenizer,
 log_softmax(pj.logits), or the same request run alone (bitwise)."""
 import jax
@@ -9,10 +9,11 @@ import pytest
 
 import pocketjax as pj
 from pocketjax.engine.processors import bad_word_ids
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 from pocketjax.errors import SamplingError
 from pocketjax.serve.llm import DEFAULT_MODEL
-from pocketjax.serve.openai_protocol import ChatCompletionRequest, APIError
+from pocketjax.serve.http.api_error import APIError
+from pocketjax.serve.http.openai_protocol import ChatCompletionRequest
 
 from conftest import served
 from test_tokenization import call as post

@@ -10,7 +10,7 @@ import pytest
 
 import pocketjax as pj
 from pocketjax.serve.llm import DEFAULT_MODEL
-from pocketjax.serve.server import BackgroundServer, create_app
+from pocketjax.serve.http.server import BackgroundServer, create_app
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
 SLOTS, CONTEXT = 4, 128  # test_server's engine shape: a shared session reuses its compiled steps
@@ -157,7 +157,7 @@ def test_function_tools_make_function_call_items(llm, client):
 def test_input_items_become_the_chat_conversation():
     """An agent's second request, as the Agents SDK sends it (its text, its call, the call's output), is the chat
     conversation an OpenAI chat client would send, in the form the templates read (arguments as an object)."""
-    from pocketjax.serve.responses import ResponsesRequest
+    from pocketjax.serve.http.responses import ResponsesRequest
 
     body = ResponsesRequest.model_validate({"instructions": "be brief", "input": [
         {"role": "user", "content": "add 2 and 3"},

@@ -13,14 +13,8 @@ import numpy as np
 import pytest
 
 from pocketjax.errors import SamplingError
-from pocketjax.engine.sampling import (
-    MAX_LOGPROBS,
-    SamplingArrays,
-    SamplingParams,
-    apply_penalties,
-    pack_sampling,
-    sample,
-)
+from pocketjax.engine.sampling import SamplingArrays, apply_penalties, pack_sampling, sample
+from pocketjax.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 
 P = SamplingParams
 V = 400  # > 257, so the default fast path has tokens outside its candidates

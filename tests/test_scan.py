@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import pocketjax as pj
 from pocketjax.engine.engine import Engine
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 from pocketjax.errors import ConfigError
 from pocketjax.model import decoder
 from pocketjax.model.quant import QuantizedWeight

@@ -17,7 +17,7 @@ import pocketjax as pj
 from pocketjax.training.bpe import stdlib_files, train_tokenizer
 from pocketjax.engine.engine import Engine
 from pocketjax.errors import CapacityError, ConfigError, RequestError, SamplingError
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 from pocketjax.serve.scheduler import Scheduler
 
 SLOTS, MAX_LEN, CHUNK = 8, 128, 32

@@ -17,7 +17,7 @@ import pytest
 
 import pocketjax as pj
 from pocketjax.serve.llm import DEFAULT_MODEL
-from pocketjax.serve.server import BackgroundServer, create_app
+from pocketjax.serve.http.server import BackgroundServer, create_app
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
 SLOTS, CONTEXT = 4, 128  # test_llm's engine shape, so a shared session reuses its compiled steps
@@ -273,7 +273,8 @@ def test_api_key(llm):
 
 
 def test_cli_serve_flags(monkeypatch):
-    from pocketjax.serve import cli, server
+    from pocketjax.serve import cli
+    from pocketjax.serve.http import server
 
     seen = {}
     monkeypatch.setattr(server, "serve", lambda llm, host, port, **kw: seen.update(

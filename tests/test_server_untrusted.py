@@ -15,9 +15,9 @@ import pytest
 import pocketjax as pj
 from pocketjax.errors import ConfigError
 from pocketjax.serve import cli
-from pocketjax.serve.http_guard import ServerLimits
+from pocketjax.serve.http.http_guard import ServerLimits
 from pocketjax.serve.llm import DEFAULT_MODEL
-from pocketjax.serve.server import BackgroundServer, create_app
+from pocketjax.serve.http.server import BackgroundServer, create_app
 from pocketjax.serve.template_sandbox import RenderLimits
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")

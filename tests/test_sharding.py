@@ -19,9 +19,9 @@ from pocketjax.model.config import ModelConfig
 from pocketjax.engine.engine import Engine
 from pocketjax.model.memory import per_device_bytes
 from pocketjax.engine.plan import DecodePlan, PrefillPlan, Signature
-from pocketjax.engine.steps import decode_step, prefill_step
+from pocketjax.engine.steps import SlotState, decode_step, prefill_step
 from pocketjax.errors import ConfigError
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 
 from test_engine import random_prompts, run
 
@@ -156,8 +156,9 @@ def test_dp_tp_mesh_prefill_and_decode(load, mesh):
     steps = dict(config=c, impl="pallas_interpret" if mesh == "1x2" else "xla")
     cache, first, _ = prefill_step(model.params, cache, PrefillPlan(tokens, slots, zeros, lengths, kv_len=64), **steps)
     after = np.asarray(first).argmax(-1).astype(np.int32)
-    cache, second = decode_step(model.params, cache, DecodePlan(after, slots, lengths, lengths > 0, kv_len=64,
-                                                                dense=True), **steps)
+    state = SlotState.zeros(4, c.vocab_size).advance(slots, after, lengths, zeros)  # as the first sampler leaves it
+    cache, second = decode_step(model.params, cache, state, DecodePlan(slots, lengths > 0, kv_len=64, dense=True),
+                                **steps)
     layer = NamedSharding(model.mesh, P("dp", "tp"))  # 1x2: kv heads split; 2x1: slots split (dp of size 1 = P())
     assert all(a.sharding.is_equivalent_to(layer, 4) for a in cache.k + cache.v)
     assert cache.lengths.sharding.is_equivalent_to(NamedSharding(model.mesh, P("dp")), 1)

@@ -14,7 +14,7 @@ from pocketjax.engine import engine as engine_module
 from pocketjax.engine.config import EngineConfig, SpeculativeConfig
 from pocketjax.engine.engine import Engine
 from pocketjax.engine.request import BatchedRequest
-from pocketjax.engine.sampling import SamplingParams
+from pocketjax.engine.sampling_params import SamplingParams
 from pocketjax.engine.speculative import EXPLORE, MAX_SKIP, Backoff, NgramIndex, Speculator
 from pocketjax.errors import ConfigError, RequestError
 from pocketjax.model import cpu_kernels

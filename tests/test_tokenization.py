@@ -9,9 +9,13 @@ import urllib.request
 import pytest
 from fastapi import FastAPI
 
+from pocketjax.serve.http.context import ServeContext
+from pocketjax.serve.http.http_guard import ServerLimits
+from pocketjax.serve.http.metrics import RequestMetrics
+from pocketjax.serve.http.replies import install_error_handlers
+from pocketjax.serve.http.server import BackgroundServer
+from pocketjax.serve.http.tokenization import tokenization_router
 from pocketjax.serve.llm import DEFAULT_MODEL
-from pocketjax.serve.server import BackgroundServer, install_error_handlers
-from pocketjax.serve.tokenization import tokenization_router
 from pocketjax.serve.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "tokenizer.json").exists(), reason="no embedded model")
@@ -31,7 +35,8 @@ def server():
                                 engine=types.SimpleNamespace(max_seq_len=CONTEXT))
     app = FastAPI()
     install_error_handlers(app)
-    app.include_router(tokenization_router(llm, "pocket-coder"))
+    ctx = ServeContext(llm, "pocket-coder", ServerLimits(), RequestMetrics(llm, "pocket-coder"), created=0)
+    app.include_router(tokenization_router(ctx))
     with BackgroundServer(app) as server:
         yield server
 

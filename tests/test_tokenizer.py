@@ -132,7 +132,7 @@ def test_chatml_template_matches_transformers(tok, hf, messages, generation_prom
 
 
 # A tool conversation as OpenAI clients send it back: the call's arguments as a JSON string, the result with its
-# tool_call_id. pocketjax.serve.tool_calls.template_messages turns it into the form the Qwen templates read.
+# tool_call_id. pocketjax.serve.http.tool_calls.template_messages turns it into the form the Qwen templates read.
 THREE_TURNS = [
     {"role": "user", "content": "Weather in Zürich?"},
     {"role": "assistant", "content": "", "tool_calls": [

@@ -8,10 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from pocketjax.serve.api_error import APIError
-from pocketjax.serve.tool_calls import (END, MAX_PARALLEL_CALLS, START, Arguments, ToolCall, ToolCallParser,
-                                        close_schema, legacy_tool_request, parse_tool_calls, template_messages,
-                                        tool_request)
+from pocketjax.serve.http.api_error import APIError
+from pocketjax.serve.http.tool_call_parser import END, START, Arguments, ToolCall, ToolCallParser, parse_tool_calls
+from pocketjax.serve.http.tool_calls import (MAX_PARALLEL_CALLS, close_schema, legacy_tool_request, template_messages,
+                                             tool_request)
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
            "required": ["city"], "additionalProperties": False}

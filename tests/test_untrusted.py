@@ -18,7 +18,8 @@ import pytest
 
 import pocketjax as pj
 from pocketjax.engine.engine import Engine
-from pocketjax.engine.sampling import FLOAT32_MAX, INT32_MAX, MAX_STOP_STRINGS, SamplingParams, pack_sampling, sample
+from pocketjax.engine.sampling import pack_sampling, sample
+from pocketjax.engine.sampling_params import FLOAT32_MAX, INT32_MAX, MAX_STOP_STRINGS, SamplingParams
 from pocketjax.errors import NumericsError, RequestError, SamplingError
 from pocketjax.serve.llm import DEFAULT_MODEL
 from pocketjax.serve.scheduler import Scheduler

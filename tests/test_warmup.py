@@ -28,7 +28,7 @@ def test_signatures_follow_the_engines_buckets(model):
     assert sorted({c.rows for c in calls if c.rows}) == [1, 2, 3]
     assert {(c.rows, c.num_top) for c in calls if c.step == "sample_next"} == {(r, t) for r in (1, 2, 3)
                                                                                for t in (0, 20)}
-    assert [c.kv_len for c in calls if c.step == "decode_fed" and c.rows == 3] == [32, 64, 96]
+    assert [c.kv_len for c in calls if c.step == "decode" and c.rows == 3] == [32, 64, 96]
     assert calls[-1] == Signature("copy_prefix") and len(calls) == len(set(calls))
     pallas = signatures(pj.Engine(model, **{**OPTIONS, "attention_impl": "pallas_interpret"}).rules)
     assert {c.kv_len for c in pallas if c.kv_len} == {96}  # the kernels always read max_seq_len
@@ -101,7 +101,7 @@ def test_warmup_on_a_mesh_covers_the_state_in_its_sharded_form(hf_checkpoint):
 
 
 def host_state(engine: pj.Engine):
-    return (jax.device_get((engine.cache, engine.penalties)), [list(t) for t in engine.slots.tokens],
+    return (jax.device_get((engine.cache, engine.slot_state)), [list(t) for t in engine.slots.tokens],
             list(engine.slots.free), dict(engine.slots.owner))
 
 

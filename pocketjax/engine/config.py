@@ -19,7 +19,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from ..errors import ConfigError
 from ..model.kv_cache import check_kv_dtype
 from ..model.layers import ATTENTION_IMPLS
-from .sampling import DEFAULT_LOGPROBS_MODE, check_logprobs_mode
+from .sampling_params import DEFAULT_LOGPROBS_MODE, check_logprobs_mode
 
 ENVIRONMENT = {  # field -> variable
     "max_batch_size": "POCKETJAX_MAX_BATCH_SIZE",

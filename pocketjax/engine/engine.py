@@ -3,7 +3,8 @@
 The host side only moves small integer arrays per step; the forward pass, sampling and penalty bookkeeping run in
 the jitted steps of `steps.py`. A decode step is split in two, `decode_dispatch` (queue it, return at once) and
 `decode_collect` (the one host sync), so a caller can keep one step in flight while it works on the tokens of the
-one before (the Scheduler's policy); `batch_decode_step` does both.
+one before (the Scheduler's policy); `batch_decode_step` does both. A decode step's inputs are each slot's state on
+device (`steps.SlotState`), so any requests can share a step queued behind steps the host has not read.
 """
 from __future__ import annotations
 
@@ -25,16 +26,16 @@ from ..model.memory import check_fits, plan_memory
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
 from .plan import (SAMPLERS, DecodePlan, SamplePlan, Signature, StepRules, VerifyPlan, VerifySamplePlan,
-                   after_verify_rows, decode_after, decode_from_host, decode_plans, empty_plan, prefill_plans,
-                   scored_positions, verify_plans)
+                   decode_plans, empty_plan, prefill_plans, scored_positions, verify_plans)
 from .request import BatchedRequest, RequestStatus
-from .sampling import SampleOutput, SamplingParams
+from .sampling import SampleOutput
+from .sampling_params import SamplingParams
 from .slots import SlotTable
 from .speculative import Speculator, drafts_nothing
 from .processors import limits_of
 from .structured import Constrainer
-from .steps import (Penalties, copy_slot_prefix, decode_step, prefill_step, sample_step, verified_inputs,
-                    verify_sample_step, verify_step)
+from .steps import (SlotState, copy_slot_prefix, decode_step, prefill_step, sample_step, verify_sample_step,
+                    verify_step)
 from .warmup import compiled_count, warmup as warm_up
 from .weights import placed
 
@@ -43,7 +44,8 @@ from .weights import placed
 class PendingDecode:
     """A dispatched decode step whose sampled tokens stay on device until `Engine.decode_collect` reads them.
 
-    A next step can take its input tokens from `out` without a host round trip while the rows keep their order.
+    Its tokens also wait in the slots' state (`steps.SlotState`), so a next step can be queued before they reach the
+    host, for any requests.
     """
 
     requests: list[BatchedRequest]  # as given to decode_dispatch: the order of decode_collect's result
@@ -51,8 +53,8 @@ class PendingDecode:
     plan: DecodePlan  # the forward step's inputs
     sample: SamplePlan  # the sampler's
     out: SampleOutput | None = None  # None when no row was active (nothing was dispatched) or once collected
-    previous: PendingDecode | PendingVerify | None = None  # the step whose tokens fed this one, until this one
-    # is collected
+    previous: PendingDecode | PendingVerify | None = None  # the step dispatched before this one, until this one
+    # is collected (steps are collected in the order they were dispatched)
     results: list[int | None] | None = None  # set by decode_collect
     # Structured outputs: a step fed on device whose rows include constrained ones queues its forward pass only;
     # its logits wait here for the masks, which need the previous step's tokens, and `decode_collect` of that step
@@ -64,14 +66,6 @@ class PendingDecode:
     def collected(self) -> bool:
         return self.results is not None
 
-    @property
-    def dense(self) -> bool:
-        return self.plan.dense
-
-    def continues(self, requests: Sequence[BatchedRequest]) -> bool:
-        """True when every unfinished request has a row here, so a next step can read its input tokens on device."""
-        held = {id(r) for r in self.rows if r is not None}
-        return all(id(r) in held for r in requests if not r.finished)
 
 
 @dataclass(eq=False)
@@ -85,12 +79,11 @@ class PendingVerify:
     out: SampleOutput | None = None  # [rows, width] per field; None once collected
     accepted: Any = None  # int32 [rows] on device: drafts each row accepted
     results: list[list[int] | None] | None = None  # set by verify_collect
+    following: PendingDecode | None = None  # as PendingDecode.following
 
     @property
     def collected(self) -> bool:
         return self.results is not None
-
-    continues = PendingDecode.continues  # every unfinished request has a row: a decode step can follow on device
 
 
 def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
@@ -138,7 +131,7 @@ class Engine:
         self.eos_ids = read_eos_ids(model)
         self.rng = np.random.default_rng(seed)
         self.cache: KVCache | None = None
-        self.penalties: Penalties | None = None
+        self.slot_state: SlotState | None = None  # each slot's next decode input and penalty state, on device
         self.slots = SlotTable(0)
         self.requests: dict[Any, BatchedRequest] = {}  # request_id -> the request prefilled in its slot
         # hooks whose output shape was checked (`_check_hook`); held as the step functions' compile caches hold them
@@ -185,7 +178,7 @@ class Engine:
         if self.slots.owner:
             raise CapacityError(f"cannot reallocate slots while {len(self.slots.owner)} are held")
         c, mesh = self.model.config, self.model.mesh
-        self.cache = self.penalties = None  # drop the old cache before allocating the new one
+        self.cache = self.slot_state = None  # drop the old cache before allocating the new one
         kv_dtype = self.config.kv_dtype or default_kv_dtype(self.model.dtype)
         shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, kv_dtype)
         plan = plan_memory(c, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=jnp.dtype(self.model.dtype).name,
@@ -198,9 +191,9 @@ class Engine:
             self.cache = init_sharded_cache(mesh, *shape, stacked=stacked)
         else:
             self.cache = init_cache(*shape, stacked=stacked)
-        self.penalties = Penalties.zeros(n, c.vocab_size)
+        self.slot_state = SlotState.zeros(n, c.vocab_size)
         if mesh is not None:  # replicated over the mesh, as the sampler returns it: one compile, not two
-            self.penalties = jax.device_put(self.penalties, NamedSharding(mesh, PartitionSpec()))
+            self.slot_state = jax.device_put(self.slot_state, NamedSharding(mesh, PartitionSpec()))
         self.slots = SlotTable(n)
 
     def allocate_slot(self, request: BatchedRequest | Any) -> int:
@@ -371,7 +364,7 @@ class Engine:
             self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
             req.num_prefilled += n
         if first is not None:  # queued before the prompt logprobs are read, so the device samples while the host waits
-            self.penalties, out = sample_step(self.penalties, logits, first)
+            self.slot_state, out = sample_step(self.slot_state, logits, first)
         if prompt_out is not None:
             self._deliver_prompt_logprobs(chunks, prompt_out)
         if first is not None:
@@ -398,12 +391,12 @@ class Engine:
                         ) -> PendingDecode:
         """Queue one decode step for every unfinished request and return without waiting for its tokens.
 
-        Without `after`, input tokens come from the host: every request's earlier steps must be collected. With
-        `after`, an uncollected step holding a row for every unfinished request, they come from its output on
-        device, so this step is queued before they reach the host; a request that `after`'s token ends by length is
-        left out, one it ends otherwise (a stop token) costs one row whose token `decode_collect` discards. `after`
-        may be a verify step: each row then continues after the drafts it accepted (positions and tokens computed
-        on device from the accepted counts), so leaving speculation costs no host round trip.
+        Each row feeds its slot's last sampled token at its slot's position, both on device (`steps.SlotState`), so
+        the step can be queued behind steps whose tokens the host has not read. Without `after`, every request's
+        earlier steps must be collected. With `after`, the latest uncollected step (decode or verify), the requests
+        may have rows in it or not (a request that just joined needs no drain): a request whose tokens in flight end
+        it by length is left out, one they end otherwise (a stop token) costs one row whose token `decode_collect`
+        discards.
         """
         running = [r for r in batch(requests) if not r.finished]
         for req in running:
@@ -414,12 +407,32 @@ class Engine:
             busy = [r.request_id for r in running if r.in_flight]
             if busy:
                 raise RequestError(f"requests {busy} have a decode step in flight: collect it, or pass it as after=")
-            return self._dispatch(self._fed_from_host(requests, running))
-        if after.collected or not after.continues(running):
-            raise RequestError("after= must be an uncollected step with a row for every unfinished request")
-        if isinstance(after, PendingVerify):
-            return self._dispatch(self._fed_after_verify(after, requests, running))
-        return self._dispatch(self._fed_on_device(after, requests, running))
+        elif after.collected or after.following is not None:
+            raise RequestError("after= must be the latest step dispatched and not collected yet")
+        elif getattr(after, "logits", None) is not None:
+            raise RequestError("after= is a step whose sampler waits for the step before it (it has constrained "
+                               "rows): collect that step first")
+        keep = [r for r in running if not self._reaches_length(r, len(r.generated_tokens) + r.in_flight)]
+        step = PendingDecode(list(requests), [], None, None, previous=after)
+        if not keep:
+            return step
+        step.rows, step.plan, sample = decode_plans(
+            self.rules, keep, lambda r: len(self.slots.tokens[r.slot_id]) + r.positions_ahead)
+        if any(r.in_flight and self._masked_on_host(r, len(r.generated_tokens) + r.in_flight) for r in keep):
+            after.following = step  # masks need tokens in flight: its sampler is queued when `after` is collected
+            step.sample = sample
+        else:  # a row with tokens in flight needs no mask from the host at this index: its plan's static one holds
+            step.sample = self._constrain(sample, [r if r is not None and not r.in_flight else None for r in step.rows])
+        self.cache, logits = decode_step(self.model.params, self.cache, self.slot_state, step.plan,
+                                         config=self.model.config, impl=self.impl)
+        if after is not None and after.following is step:
+            step.logits = logits
+        else:
+            self.slot_state, step.out = sample_step(self.slot_state, logits, step.sample)
+        for r in keep:
+            r.in_flight += 1
+            r.positions_ahead += 1
+        return step
 
     def collect(self, step: PendingDecode | PendingVerify) -> list:
         """Read a dispatched decode or verify step (`decode_collect` / `verify_collect`)."""
@@ -439,6 +452,7 @@ class Engine:
         present = [(i, r) for i, r in enumerate(step.rows) if r is not None]
         for _, r in present:
             r.in_flight -= 1
+            r.positions_ahead -= 1
         step.results = [None] * len(step.requests)  # collected even if the read raises: never delivered twice
         kept = [(i, r) for i, r in present if not r.finished]  # a row past its request's end is discarded
         results: dict[int, int] = {}
@@ -448,68 +462,14 @@ class Engine:
             for slot, token in fed:  # recorded once its row is kept, so a discarded row leaves no trace
                 self.slots.tokens[slot].append(token)
         step.results, step.out = [results.get(id(r)) for r in step.requests], None
-        if step.following is not None:  # its masks need the tokens just delivered: queue its sampler now
-            following, step.following = step.following, None
-            if following.logits is not None:
-                self._sample_deferred(following)
+        self._sample_following(step)
         return step.results
 
-    def _fed_from_host(self, requests: Sequence[BatchedRequest], running: list[BatchedRequest]) -> PendingDecode:
-        """A step over `running`, its input tokens read from the requests."""
-        rows, plan, sample = decode_from_host(self.rules, running, lambda slot: len(self.slots.tokens[slot]))
-        return PendingDecode(list(requests), rows, plan, self._constrain(sample, rows))
-
-    def _fed_on_device(self, after: PendingDecode, requests: Sequence[BatchedRequest],
-                       running: list[BatchedRequest]) -> PendingDecode:
-        """`after`'s rows, one position and one step further, minus requests its tokens end by length; its
-        sampled tokens (on device) as the input."""
-        keep = [r for r in running if not self._reaches_length(r, len(r.generated_tokens) + r.in_flight)]
-        if after.logits is not None:
-            raise RequestError("after= is a step whose sampler waits for the step before it (it has constrained "
-                               "rows): collect that step first")
-        tokens = after.out.tokens if after.out is not None else None
-        plan, sample = after.plan, after.sample
-        if isinstance(after.previous, PendingVerify) and after.previous.collected:
-            # `after` followed a verify on device (its positions and steps are device arrays: reading them would
-            # wait for `after`); that verify is read, so the host knows them: each slot's cached count, each
-            # request's generated count, which do not yet hold `after`'s token
-            held = [r if r is not None and not r.finished else None for r in after.rows]
-            plan = replace(plan, positions=np.array([len(self.slots.tokens[r.slot_id]) if r else 0 for r in held],
-                                                    np.int32))
-            sample = replace(sample, steps=np.array([len(r.generated_tokens) if r else 0 for r in held], np.int32))
-        rows, plan, sample = decode_after(self.rules, after.rows, plan, sample, keep, tokens)
-        step = PendingDecode(list(requests), rows, plan, sample, previous=after)
-        if any(r is not None and self._masked_on_host(r, len(r.generated_tokens) + r.in_flight) for r in rows):
-            after.following = step  # its sampler is queued when `after` is collected (`_dispatch` defers it)
-        return step
-
-    def _fed_after_verify(self, after: PendingVerify, requests: Sequence[BatchedRequest],
-                          running: list[BatchedRequest]) -> PendingDecode:
-        """`after`'s rows, each after the drafts it accepts, minus requests its first token already ends by length
-        (one that an accepted run ends has its row discarded at collect)."""
-        keep = [r for r in running if not self._reaches_length(r, len(r.generated_tokens) + 1)]
-        if after.out is None:  # nothing was dispatched (every row finished)
-            return PendingDecode(list(requests), [None] * len(after.rows), None, None, previous=after)
-        rows, order, active, last, dense = after_verify_rows(self.rules, after.rows, after.plan, keep)
-        fed, positions, steps = verified_inputs(after.out.tokens, after.accepted, after.plan.starts,
-                                                after.sample.steps, order, active)
-        plan, sample = decode_plans(self.rules, rows, dense, fed, positions, steps, last=last)
-        return PendingDecode(list(requests), rows, plan, sample, previous=after)
-
-    def _dispatch(self, step: PendingDecode) -> PendingDecode:
-        """Queue the forward pass and the sampler over `step`'s rows (nothing when no row is active)."""
-        present = [r for r in step.rows if r is not None]
-        if not present:
-            return step
-        self.cache, logits = decode_step(self.model.params, self.cache, step.plan, config=self.model.config,
-                                         impl=self.impl)
-        if step.previous is not None and getattr(step.previous, "following", None) is step:
-            step.logits = logits  # constrained rows: the sampler waits for the previous step's tokens
-        else:
-            self.penalties, step.out = sample_step(self.penalties, logits, step.sample)
-        for r in present:
-            r.in_flight += 1
-        return step
+    def _sample_following(self, step: PendingDecode | PendingVerify) -> None:
+        """Queue the sampler of the step after `step` that waited for its tokens (its rows' masks need them)."""
+        following, step.following = step.following, None
+        if following is not None and following.logits is not None:
+            self._sample_deferred(following)
 
     # ---- speculative decoding (EngineConfig.speculative) ----------------------------------------------------------
     def draft(self, requests: Sequence[BatchedRequest], due: Sequence[bool] | None = None) -> list[list[int]]:
@@ -556,9 +516,10 @@ class Engine:
                                                          lambda slot: len(self.slots.tokens[slot]))
         self.cache, logits = verify_step(self.model.params, self.cache, step.plan, config=self.model.config,
                                          impl=self.impl)
-        self.penalties, step.out, step.accepted = verify_sample_step(self.penalties, logits, step.sample)
-        for req, _ in pairs:
+        self.slot_state, step.out, step.accepted = verify_sample_step(self.slot_state, logits, step.sample)
+        for req, d in pairs:
             req.in_flight += 1
+            req.positions_ahead += 1 + len(d)
         return step
 
     def verify_collect(self, step: PendingVerify) -> list[list[int] | None]:
@@ -567,8 +528,9 @@ class Engine:
         if step.collected:
             return step.results
         present = [(i, r) for i, r in enumerate(step.rows) if r is not None]
-        for _, r in present:
+        for i, r in present:
             r.in_flight -= 1
+            r.positions_ahead -= int(step.plan.lengths[i])
         step.results = [None] * len(step.requests)
         if not present:
             return step.results
@@ -589,6 +551,7 @@ class Engine:
             # the K/V kept: the fed last token and the accepted drafts before the final token (the rest is never read)
             self.slots.tokens[req.slot_id].extend(int(t) for t in fed[i, :len(new)])
         step.results, step.out, step.accepted = [results.get(id(r)) for r in step.requests], None, None
+        self._sample_following(step)
         return step.results
 
     def batch_speculative_step(self, requests: Sequence[BatchedRequest]) -> list[list[int] | None]:
@@ -630,7 +593,7 @@ class Engine:
         on = np.array([r is not None and not r.finished for r in step.rows])
         sample = self._constrain(replace(step.sample, rows_on=step.sample.rows_on & on), step.rows)
         logits, step.logits = step.logits, None
-        self.penalties, step.out = sample_step(self.penalties, logits, sample)
+        self.slot_state, step.out = sample_step(self.slot_state, logits, sample)
 
     # ---- shared --------------------------------------------------------------------------------------------------
     def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
@@ -667,7 +630,7 @@ class Engine:
         `allocate_batch_slots`. `prompt_logprobs` also compiles the prefill variant that scores prompt tokens
         (otherwise compiled on first use). With a tokenizer, the masked samplers of structured outputs are compiled and
         llguidance's tokenizer built too. Slots, their cached tokens and the penalty state are unchanged."""
-        self.cache, self.penalties, new = warm_up(self.model.params, self.cache, self.penalties,
+        self.cache, self.slot_state, new = warm_up(self.model.params, self.cache, self.slot_state,
                                                   config=self.model.config, rules=self.rules, progress=progress,
                                                   prompt_logprobs=prompt_logprobs,
                                                   structured=self.constrainer is not None)
@@ -678,18 +641,16 @@ class Engine:
     def lower(self, signature: Signature) -> jax.stages.Lowered:
         """This engine's own program for `signature` (a `plan.Signature`), lowered on its params, cache and penalty
         state: what HLO checks and benchmarks inspect (`.compile().as_text()`), by construction the program a call
-        of that shape runs. "decode_fed", "decode_verified" and "sample_verified" signatures are lowered host-fed
-        (the same executables, `compiled_count`)."""
+        of that shape runs."""
         step = dict(config=self.model.config, impl=self.impl)
         if signature.step in ("prefill", "prefill_scored"):
             return prefill_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
-        if signature.step in ("decode", "decode_fed", "decode_verified"):
-            host_fed = signature._replace(step="decode")
-            return decode_step.lower(self.model.params, self.cache, empty_plan(self.rules, host_fed), **step)
-        if signature.step in SAMPLERS or signature.step == "sample_verified":
-            signature = signature._replace(step="sample_next") if signature.step == "sample_verified" else signature
+        if signature.step == "decode":
+            return decode_step.lower(self.model.params, self.cache, self.slot_state, empty_plan(self.rules, signature),
+                                     **step)
+        if signature.step in SAMPLERS:
             logits = jax.ShapeDtypeStruct((signature.rows, self.model.config.vocab_size), self.model.dtype)
-            return sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
+            return sample_step.lower(self.slot_state, logits, empty_plan(self.rules, signature))
         if signature.step == "copy_prefix":
             return copy_slot_prefix.lower(self.cache, np.int32(0), np.int32(0), np.int32(0))
         if signature.step == "verify":
@@ -697,16 +658,14 @@ class Engine:
         if signature.step == "sample_verify":
             c = self.model.config
             logits = jax.ShapeDtypeStruct((signature.rows, signature.width, c.vocab_size), jnp.float32)
-            return verify_sample_step.lower(self.penalties, logits, empty_plan(self.rules, signature))
+            return verify_sample_step.lower(self.slot_state, logits, empty_plan(self.rules, signature))
         raise RequestError(f"no step {signature.step!r} (a plan.Signature names prefill, prefill_scored, decode, "
-                           f"decode_fed, {', '.join(SAMPLERS)}, copy_prefix, verify, sample_verify, "
-                           f"decode_verified or sample_verified)")
+                           f"{', '.join(SAMPLERS)}, copy_prefix, verify or sample_verify)")
 
     def compiled_count(self) -> int:
         """How many call signatures the step functions hold so far (a steady workload must not add any).
 
-        A decode step fed its tokens on device adds one signature per shape the first time; it reuses the executable
-        compiled for the host-fed step. Requests with `SamplingParams.hook` add signatures too: every distinct set of
+        Requests with `SamplingParams.hook` add signatures too: every distinct set of
         hooks in a step compiles its own prefill and decode programs, which `warmup` cannot know in advance.
         """
         return compiled_count()

@@ -23,8 +23,8 @@ import numpy as np
 
 from .request import BatchedRequest
 from .processors import pack_limits
-from .sampling import (DEFAULT_LOGPROBS_MODE, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingArrays, SamplingParams,
-                       pack_sampling)
+from .sampling import SamplingArrays, pack_sampling
+from .sampling_params import DEFAULT_LOGPROBS_MODE, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from .structured import all_allowed
 
 Rows = Sequence[BatchedRequest | None]  # one request per row; None: padding, or a row left out
@@ -113,11 +113,11 @@ class PrefillPlan:
 @_pytree
 @dataclass(frozen=True)
 class DecodePlan:
-    """One token per row at `positions` of slot `slots`; inactive rows write and attend to nothing."""
+    """One token per row into slot `slots`: each row's input token and position are its slot's (`steps.SlotState`,
+    on device, written by the sampler before), so nothing of a step's inputs but its rows comes from the host;
+    inactive rows write and attend to nothing. `kv_len` covers the furthest position a row can be at."""
 
-    tokens: Any  # int32 [rows], from the host, or a previous step's sampled tokens on device
     slots: Any  # int32 [rows]
-    positions: Any  # int32 [rows]
     active: Any  # bool [rows]
     selector: Any = None  # as PrefillPlan.selector
     kv_len: int = static(0)
@@ -133,13 +133,14 @@ class DecodePlan:
 @dataclass(frozen=True)
 class SamplePlan:
     """The sampler over a forward step's rows. With `prompt_masks`, the rows that end a prompt (`rows_on`) get their
-    first token and restart their slot's penalty state; without, every active row continues from its slot's state."""
+    first token (index 0 of their random stream, whose key is (seed, index)) and restart their slot's state;
+    without, every active row continues from its slot's state (the index is its `generated` count)."""
 
     slots: Any  # int32 [rows]
     rows_on: Any  # bool [rows]: rows whose slot state is updated (final prompt chunk / active decode row)
-    steps: Any  # int32 [rows]: index of the token each row generates (the random stream's key is (seed, step))
     sampling: SamplingArrays
     prompt_masks: Any = None  # bool [rows, vocab]: each ending prompt's tokens; None for decode rows
+    positions: Any = None  # int32 [rows] with prompt_masks: where each first token goes (its prompt's length)
     # int32 [rows, ceil(vocab / 32)]: the tokens each row may take (structured outputs, `processors.TokenLimits`;
     # other rows all ones); None when no row of the step is constrained or limited, so such steps keep their
     # treedef and programs. bias_ids / bias [rows, MAX_LOGIT_BIAS] (logit_bias, padded with id vocab) come with it.
@@ -182,8 +183,9 @@ class VerifySamplePlan:
     step `steps[b] + j` after the drafts before j, so accepting drafts while they equal what is drawn is exact."""
 
     slots: Any  # int32 [rows]
-    rows_on: Any  # bool [rows]: active rows (their slot's penalty counts are updated with the accepted tokens)
+    rows_on: Any  # bool [rows]: active rows (their slot's state continues after the tokens they accept)
     steps: Any  # int32 [rows]: index of the token each row's first position generates
+    starts: Any  # int32 [rows]: the position of each row's first fed token (its slot's cached length)
     sampling: SamplingArrays
     drafts: Any  # int32 [rows, verify_width - 1]
     num_drafts: Any  # int32 [rows]
@@ -251,8 +253,8 @@ def prefill_plans(rules: StepRules, chunks: Sequence[tuple[BatchedRequest, int]]
     sampling = pack_sampling([r.sampling for r in requests], [r.seed for r in requests], pad_to=rows)
     limits = pack_limits([r if final[i] else None for i, r in enumerate(requests)] + [None] * (rows - len(chunks)),
                          rules.vocab_size) or (None, None, None)
-    return plan, SamplePlan(slots, final, np.zeros(rows, np.int32), sampling, masks, *limits,
-                            num_top=top_count(requests), logprobs_mode=rules.logprobs_mode)
+    return plan, SamplePlan(slots, final, sampling, masks, np.where(final, starts + lengths, 0).astype(np.int32),
+                            *limits, num_top=top_count(requests), logprobs_mode=rules.logprobs_mode)
 
 
 def decode_rows(rules: StepRules, running: Sequence[BatchedRequest]) -> tuple[list[BatchedRequest | None], bool]:
@@ -265,36 +267,25 @@ def decode_rows(rules: StepRules, running: Sequence[BatchedRequest]) -> tuple[li
     return list(running) + [None] * (rows - len(running)), False
 
 
-def decode_plans(rules: StepRules, rows: Rows, dense: bool, tokens: Any, positions: Any, steps: Any,
-                 last: int | None = None) -> tuple[DecodePlan, SamplePlan]:
-    """The decode step over `rows` (None: inactive) fed `tokens` at `positions`, and its sampler (`steps`: the
-    index of each row's token). `last`: the highest position, where `positions` is on device (else its max)."""
+def decode_plans(rules: StepRules, running: Sequence[BatchedRequest], reach: Callable[[BatchedRequest], int]
+                 ) -> tuple[list[BatchedRequest | None], DecodePlan, SamplePlan]:
+    """The decode step over `running` and its sampler: each row continues from its slot's state on device, so any
+    requests can share a step whatever ran before; `reach(req)`: the furthest position req's token can be at (its
+    slot's cached length plus what its steps in flight may add), which sizes the attention."""
+    rows, dense = decode_rows(rules, running)
     active = np.array([r is not None for r in rows])
     slots = np.arange(len(rows), dtype=np.int32) if dense else np.zeros(len(rows), np.int32)
     for i, r in enumerate(rows):
         if r is not None:
             slots[i] = r.slot_id
     selector, hooks = row_selector(rows)
-    last = int(positions.max()) if last is None else last
-    plan = DecodePlan(tokens, slots, positions, active, selector, kv_len=rules.kv_len(last + 1), dense=dense,
-                      hooks=hooks)
+    last = max(reach(r) for r in running)
+    plan = DecodePlan(slots, active, selector, kv_len=rules.kv_len(last + 1), dense=dense, hooks=hooks)
     sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in rows],
                              [r.seed if r else 0 for r in rows])
     limits = pack_limits(rows, rules.vocab_size) or (None, None, None)
-    return plan, SamplePlan(slots, active, steps, sampling, None, *limits, num_top=top_count(rows),
-                            logprobs_mode=rules.logprobs_mode)
-
-
-def decode_from_host(rules: StepRules, running: Sequence[BatchedRequest], cached: Callable[[int], int]
-                     ) -> tuple[list[BatchedRequest | None], DecodePlan, SamplePlan]:
-    """A decode step over `running` fed each request's last token at its slot's next position (`cached(slot)`:
-    the slot's cached token count)."""
-    rows, dense = decode_rows(rules, running)
-    tokens, positions, steps = (np.zeros(len(rows), np.int32) for _ in range(3))
-    for i, req in enumerate(rows):
-        if req is not None:
-            tokens[i], positions[i], steps[i] = req.last_token, cached(req.slot_id), len(req.generated_tokens)
-    return (rows, *decode_plans(rules, rows, dense, tokens, positions, steps))
+    return rows, plan, SamplePlan(slots, active, sampling, None, None, *limits, num_top=top_count(rows),
+                                  logprobs_mode=rules.logprobs_mode)
 
 
 def verify_plans(rules: StepRules, running: Sequence[BatchedRequest], drafts: Sequence[Sequence[int]],
@@ -314,54 +305,17 @@ def verify_plans(rules: StepRules, running: Sequence[BatchedRequest], drafts: Se
     plan = VerifyPlan(tokens, slots, starts, lengths, selector, kv_len=rules.kv_len(int((starts + lengths).max())),
                       hooks=hooks)
     sampling = pack_sampling([r.sampling for r in running], [r.seed for r in running], pad_to=rows)
-    return padded, plan, VerifySamplePlan(slots, lengths > 0, steps, sampling, draft, counts,
+    return padded, plan, VerifySamplePlan(slots, lengths > 0, steps, starts, sampling, draft, counts,
                                           num_top=top_count(padded), logprobs_mode=rules.logprobs_mode)
 
 
-def decode_at(rules: StepRules, positions: Sequence[int], step: int, tokens: Any = None
-              ) -> tuple[DecodePlan, SamplePlan]:
-    """The greedy decode step the engine would run for requests in slots 0..n-1 whose next tokens go at `positions`
-    and are their `step`-th: what benchmarks time on a scratch engine's cache (fed `tokens`, default ones)."""
+def decode_at(rules: StepRules, positions: Sequence[int]) -> tuple[DecodePlan, SamplePlan]:
+    """The greedy decode step the engine would run for requests in slots 0..n-1 whose next tokens go at `positions`:
+    what benchmarks time on a scratch engine (its slots' state says where each row is)."""
     stand_ins = [BatchedRequest(i, [0], SamplingParams(temperature=0.0), slot_id=i, seed=0)
                  for i in range(len(positions))]
-    rows, dense = decode_rows(rules, stand_ins)
-    active = np.array([r is not None for r in rows])
-    at = np.zeros(len(rows), np.int32)
-    for i, r in enumerate(rows):
-        if r is not None:
-            at[i] = positions[r.slot_id]
-    fed = np.ones(len(rows), np.int32) if tokens is None else tokens
-    return decode_plans(rules, rows, dense, fed, at, np.where(active, step, 0).astype(np.int32))
-
-
-def decode_after(rules: StepRules, rows: Rows, plan: DecodePlan, sample: SamplePlan, keep: Rows, tokens: Any
-                 ) -> tuple[list[BatchedRequest | None], DecodePlan, SamplePlan]:
-    """The step after (`plan`, `sample`) over the same rows, minus those not in `keep`: one position and one token
-    further, fed `tokens` (the previous step's sampled tokens, on device)."""
-    going = {id(r) for r in keep}
-    rows = [r if r is not None and id(r) in going else None for r in rows]
-    active = np.array([r is not None for r in rows])
-    return (rows, *decode_plans(rules, rows, plan.dense, tokens, np.where(active, plan.positions + 1, 0),
-                                np.where(active, sample.steps + 1, 0)))
-
-
-def after_verify_rows(rules: StepRules, rows: Rows, plan: VerifyPlan, keep: Rows
-                      ) -> tuple[list[BatchedRequest | None], np.ndarray, np.ndarray, int, bool]:
-    """The rows of the decode step queued after a verify step (`plan`) over the verify's rows minus those not in
-    `keep`: (rows, order: the verify row each takes, active, the furthest position a row can reach, dense). Where a
-    plain decode over as many rows is dense (`StepRules.dense`), rows are put in slot order, so the step is one of
-    the plain decode's programs. Its inputs come from the verify's outputs on device (`steps.verified_inputs`)."""
-    going = {id(r) for r in keep}
-    rows = [r if r is not None and id(r) in going else None for r in rows]
-    order = np.arange(len(rows), dtype=np.int32)
-    dense = rules.dense(len(rows))
-    if dense:  # row i <- the verify row of slot i's request
-        by_slot = {r.slot_id: i for i, r in enumerate(rows) if r is not None}
-        order = np.array([by_slot.get(s, 0) for s in range(len(rows))], np.int32)
-        rows = [rows[by_slot[s]] if s in by_slot else None for s in range(len(rows))]
-    active = np.array([r is not None for r in rows])
-    reach = (np.asarray(plan.starts) + np.asarray(plan.lengths))[order]  # a row's next position is at most this
-    return rows, order, active, int(np.max(np.where(active, reach, 0))), dense
+    _, plan, sample = decode_plans(rules, stand_ins, lambda r: positions[r.slot_id])
+    return plan, sample
 
 
 SAMPLERS = ("sample_first", "sample_next", "sample_first_masked", "sample_next_masked")
@@ -372,10 +326,9 @@ SAMPLERS = ("sample_first", "sample_next", "sample_first_masked", "sample_next_m
 class Signature(NamedTuple):
     """One step call shape: `step` over `rows` rows (0: not a batch); the other fields where the step has them."""
 
-    step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode, decode_fed (input tokens on device),
-    # sample_next, copy_prefix; sample_first_masked / sample_next_masked: the samplers with `allowed` masks;
-    # verify (speculative: every position's logits), sample_verify; decode_verified / sample_verified: the decode
-    # step queued after a verify, its tokens and positions (and its sampler's steps) on device
+    step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode, sample_next, copy_prefix;
+    # sample_first_masked / sample_next_masked: the samplers with `allowed` masks; verify (speculative: every
+    # position's logits), sample_verify
     rows: int = 0
     width: int = 0  # prefill chunk bucket (verify: its width, k + 1)
     kv_len: int = 0  # attention length bucket
@@ -404,23 +357,18 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
         calls += [Signature("sample_first" + m, r, num_top=t) for m in masked for t in tops]
         calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
         calls += [Signature("sample_next" + m, r, num_top=t) for m in masked for t in tops]
-        calls += [Signature("decode_fed", r, kv_len=k) for k in kv_lens]
         if rules.verify_width:
             w = rules.verify_width
             calls += [Signature("verify", r, w, k) for k in kv_lens]
             calls += [Signature("sample_verify", r, w, num_top=t) for t in tops]
-            calls += [Signature("decode_verified", r, kv_len=k) for k in kv_lens]
-            calls += [Signature("sample_verified", r, num_top=t) for t in tops]
     if rules.num_slots > 1:  # a prefix is copied from another slot only
         calls.append(Signature("copy_prefix"))
     return calls
 
 
-def empty_plan(rules: StepRules, call: Signature, tokens: Any = None
-               ) -> PrefillPlan | DecodePlan | SamplePlan | VerifyPlan | VerifySamplePlan:
+def empty_plan(rules: StepRules, call: Signature) -> PrefillPlan | DecodePlan | SamplePlan | VerifyPlan | VerifySamplePlan:
     """A plan of `call`'s shape that writes nothing: zero-length chunks, inactive rows, rows that end no prompt
-    (slot state untouched); "decode_fed" takes its input `tokens` (a sampler's, on device) as the engine does.
-    ("decode_verified" / "sample_verified" take device arrays of `steps.verified_inputs`: warm-up builds them.)"""
+    (slot state untouched)."""
     r = call.rows
     zeros = np.zeros(r, np.int32)
     if call.step in ("prefill", "prefill_scored"):
@@ -429,24 +377,25 @@ def empty_plan(rules: StepRules, call: Signature, tokens: Any = None
         return PrefillPlan(empty, zeros, zeros, zeros, None, empty if scored else None,
                            np.zeros(r, bool) if scored else None, kv_len=call.kv_len,
                            num_top=MAX_LOGPROBS if scored else 0)
-    if call.step in ("decode", "decode_fed"):
+    if call.step == "decode":
         dense = rules.dense(r)
         slots = np.arange(r, dtype=np.int32) if dense else zeros
-        fed = zeros if tokens is None else tokens
-        return DecodePlan(fed, slots, zeros, np.zeros(r, bool), kv_len=call.kv_len, dense=dense)
+        return DecodePlan(slots, np.zeros(r, bool), kv_len=call.kv_len, dense=dense)
     if call.step in SAMPLERS:
         sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
-        masks = np.zeros((r, rules.vocab_size), bool) if call.step.startswith("sample_first") else None
+        first = call.step.startswith("sample_first")
+        masks, positions = (np.zeros((r, rules.vocab_size), bool), zeros) if first else (None, None)
         limits = (None, None, None)
         if call.step.endswith("_masked"):
             limits = (all_allowed(r, rules.vocab_size), np.full((r, MAX_LOGIT_BIAS), rules.vocab_size, np.int32),
                       np.zeros((r, MAX_LOGIT_BIAS), np.float32))
-        return SamplePlan(zeros, np.zeros(r, bool), zeros, sampling, masks, *limits, num_top=call.num_top,
+        return SamplePlan(zeros, np.zeros(r, bool), sampling, masks, positions, *limits, num_top=call.num_top,
                           logprobs_mode=rules.logprobs_mode)
     if call.step == "verify":
         return VerifyPlan(np.zeros((r, call.width), np.int32), zeros, zeros, zeros, kv_len=call.kv_len)
     if call.step == "sample_verify":
         sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
-        return VerifySamplePlan(zeros, np.zeros(r, bool), zeros, sampling, np.zeros((r, call.width - 1), np.int32),
+        return VerifySamplePlan(zeros, np.zeros(r, bool), zeros, zeros, sampling,
+                                np.zeros((r, call.width - 1), np.int32),
                                 zeros, num_top=call.num_top, logprobs_mode=rules.logprobs_mode)
     raise ValueError(f"no plan for step {call.step!r}")

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SamplingError
-from .sampling import MAX_LOGIT_BIAS, SamplingParams
+from .sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 
 @dataclass(frozen=True)

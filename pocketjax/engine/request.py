@@ -9,7 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -36,6 +36,7 @@ class BatchedRequest:
     num_prefilled: int = 0  # prompt tokens whose K/V are in the slot (cached prefix included)
     seed: int | None = None  # resolved seed (sampling.seed, or drawn by the engine)
     in_flight: int = 0  # decode steps dispatched for it whose tokens are not collected yet
+    positions_ahead: int = 0  # positions its uncollected steps may write past its slot's cached tokens (at most)
     # with sampling.prompt_logprobs: one entry per prompt token prefilled so far, filled chunk by chunk; entry 0 is
     # None (the first token has no context)
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)

@@ -1,6 +1,6 @@
-"""The device side of the engine: jitted, buffer-donating step functions and the per-slot penalty state.
+"""The device side of the engine: jitted, buffer-donating step functions and each slot's state (`SlotState`).
 
-Each takes everything it reads as arguments and returns the updated state; the cache (and the penalty state) is
+Each takes everything it reads as arguments and returns the updated state; the cache (and the slot state) is
 donated, so XLA updates it in place and no step copies it. The forward steps and the sampler are separate jitted
 calls, chained on device without a host sync: the sampler then compiles once per batch bucket instead of once per
 (batch, chunk, attention length) shape. Each step takes `(params, cache, plan)`: the plan (`plan.py`) carries the
@@ -8,7 +8,7 @@ per-call arrays and static choices, so `config` and `impl` are the only static a
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -24,31 +24,44 @@ from .sampling import SampleOutput, any_penalized, sample, token_logprobs
 
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
-class Penalties:
-    """Per-slot sampling state on device: the prompt's tokens and the generated-token counts.
+class SlotState:
+    """Each slot's sampling state on device: what its next decode step feeds, and its penalty state.
 
-    Updates address slots; a row aimed at slot `num_slots` (padding, inactive) is dropped.
+    The samplers write it (a first token: the slot restarts with its prompt; a decode or verify: one or more tokens
+    further) and `decode_step` reads its input from it, so a decode step can be queued behind any step still in
+    flight, for any requests, with no token or position sent from the host. Updates address slots; a row aimed at
+    slot `num_slots` (padding, inactive) is dropped.
     """
 
     prompt_mask: jax.Array  # bool [slots, vocab]: tokens of each slot's prompt (repetition penalty)
     output_counts: jax.Array  # int32 [slots, vocab]: generated-token counts (presence/frequency penalty)
+    token: jax.Array  # int32 [slots]: the last token sampled, the next decode step's input
+    position: jax.Array  # int32 [slots]: where that token goes: the slot's cached length once it is written
+    generated: jax.Array  # int32 [slots]: tokens generated so far (the next one's index in the random stream)
 
     @classmethod
-    def zeros(cls, slots: int, vocab: int) -> Penalties:
-        return cls(jnp.zeros((slots, vocab), bool), jnp.zeros((slots, vocab), jnp.int32))
+    def zeros(cls, slots: int, vocab: int) -> SlotState:
+        ints = [jnp.zeros(slots, jnp.int32) for _ in range(3)]  # three buffers: each is donated on its own
+        return cls(jnp.zeros((slots, vocab), bool), jnp.zeros((slots, vocab), jnp.int32), *ints)
 
     @property
     def num_slots(self) -> int:
         return self.prompt_mask.shape[0]
 
-    def restart(self, slots: jax.Array, prompt_masks: jax.Array) -> Penalties:
+    def restart(self, slots: jax.Array, prompt_masks: jax.Array) -> SlotState:
         """A new prompt in each of `slots` [R]: its mask bool [R, vocab] replaces the old one, counts go to 0."""
-        return Penalties(self.prompt_mask.at[slots].set(prompt_masks, mode="drop"),
-                         self.output_counts.at[slots].set(0, mode="drop"))
+        return replace(self, prompt_mask=self.prompt_mask.at[slots].set(prompt_masks, mode="drop"),
+                       output_counts=self.output_counts.at[slots].set(0, mode="drop"))
 
-    def count(self, slots: jax.Array, tokens: jax.Array) -> Penalties:
+    def count(self, slots: jax.Array, tokens: jax.Array) -> SlotState:
         """One more occurrence of tokens [R] in the outputs of slots [R]."""
-        return Penalties(self.prompt_mask, self.output_counts.at[slots, tokens].add(1, mode="drop"))
+        return replace(self, output_counts=self.output_counts.at[slots, tokens].add(1, mode="drop"))
+
+    def advance(self, slots: jax.Array, tokens: jax.Array, positions: jax.Array, generated: jax.Array) -> SlotState:
+        """Slots [R] continue with `tokens` [R] at `positions` [R], `generated` tokens out."""
+        return replace(self, token=self.token.at[slots].set(tokens, mode="drop"),
+                       position=self.position.at[slots].set(positions, mode="drop"),
+                       generated=self.generated.at[slots].set(generated, mode="drop"))
 
 
 def row_hooks(hooks: tuple[Hook, ...], selector: jax.Array | None) -> Hook | None:
@@ -110,31 +123,38 @@ def score_positions(params: Params, hidden: jax.Array, targets: jax.Array, score
 
 
 @partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
-def decode_step(params, cache: KVCache, plan: DecodePlan, *, config: ModelConfig, impl: str
+def decode_step(params, cache: KVCache, state: SlotState, plan: DecodePlan, *, config: ModelConfig, impl: str
                 ) -> tuple[KVCache, jax.Array]:
-    """One token per row; `plan.dense`: row i is slot i for every slot, so attention reads the cache in place."""
-    return decode_forward(params, config, impl, plan.kv_len, cache, plan.tokens, plan.slots, plan.positions,
+    """One token per row, each its slot's last sampled token at its slot's position (`state`, read, not donated:
+    the sampler after this step writes it); `plan.dense`: row i is slot i for every slot, so attention reads the
+    cache in place."""
+    positions = jnp.where(plan.active, state.position[plan.slots], 0)
+    return decode_forward(params, config, impl, plan.kv_len, cache, state.token[plan.slots], plan.slots, positions,
                           plan.active, dense=plan.dense, hook=row_hooks(plan.hooks, plan.selector))
 
 
-@partial(jax.jit, donate_argnames=("penalties",))
-def sample_step(penalties: Penalties, logits: jax.Array, plan: SamplePlan) -> tuple[Penalties, SampleOutput]:
-    """The next token of every row, with its slot's penalties; counts the new tokens in the rows' slots.
+@partial(jax.jit, donate_argnames=("state",))
+def sample_step(state: SlotState, logits: jax.Array, plan: SamplePlan) -> tuple[SlotState, SampleOutput]:
+    """The next token of every row, with its slot's penalties; the rows' slots continue with it (counted, fed to
+    the next decode step at the next position).
 
-    A plan with `prompt_masks` samples first tokens: those rows' penalty state restarts with their prompt. A plan
+    A plan with `prompt_masks` samples first tokens: those rows' slot state restarts with their prompt. A plan
     with `allowed` (structured outputs, `processors`) samples only the tokens each row's bitmask allows, plus its
     logit_bias (`sampling.sample`).
     """
-    rows = jnp.where(plan.rows_on, plan.slots, penalties.num_slots)  # a row aimed past the slots is dropped
+    rows = jnp.where(plan.rows_on, plan.slots, state.num_slots)  # a row aimed past the slots is dropped
     if plan.first:
         zeros = jnp.zeros(plan.prompt_masks.shape, jnp.int32)
-        out = sample(logits, plan.sampling, plan.prompt_masks, zeros, plan.steps, plan.allowed, plan.bias_ids,
+        steps = jnp.zeros(plan.slots.shape, jnp.int32)
+        out = sample(logits, plan.sampling, plan.prompt_masks, zeros, steps, plan.allowed, plan.bias_ids,
                      plan.bias, num_top=plan.num_top, logprobs_mode=plan.logprobs_mode)
-        return penalties.restart(rows, plan.prompt_masks).count(rows, out.tokens), out
-    out = sample(logits, plan.sampling, penalties.prompt_mask[plan.slots], penalties.output_counts[plan.slots],
-                 plan.steps, plan.allowed, plan.bias_ids, plan.bias, num_top=plan.num_top,
+        state = state.restart(rows, plan.prompt_masks).count(rows, out.tokens)
+        return state.advance(rows, out.tokens, plan.positions, steps + 1), out
+    steps = state.generated[plan.slots]
+    out = sample(logits, plan.sampling, state.prompt_mask[plan.slots], state.output_counts[plan.slots],
+                 steps, plan.allowed, plan.bias_ids, plan.bias, num_top=plan.num_top,
                  logprobs_mode=plan.logprobs_mode)
-    return penalties.count(rows, out.tokens), out
+    return state.count(rows, out.tokens).advance(rows, out.tokens, state.position[plan.slots] + 1, steps + 1), out
 
 
 @partial(jax.jit, donate_argnames=("cache",))
@@ -154,9 +174,9 @@ def verify_step(params, cache: KVCache, plan: VerifyPlan, *, config: ModelConfig
     return cache, lm_head(params, hidden)
 
 
-@partial(jax.jit, donate_argnames=("penalties",))
-def verify_sample_step(penalties: Penalties, logits: jax.Array, plan: VerifySamplePlan
-                       ) -> tuple[Penalties, SampleOutput, jax.Array]:
+@partial(jax.jit, donate_argnames=("state",))
+def verify_sample_step(state: SlotState, logits: jax.Array, plan: VerifySamplePlan
+                       ) -> tuple[SlotState, SampleOutput, jax.Array]:
     """The target's token at every verify position, how many drafts each row accepts, and the penalty counts of
     the accepted tokens.
 
@@ -165,7 +185,8 @@ def verify_sample_step(penalties: Penalties, logits: jax.Array, plan: VerifySamp
     counts including drafts[:j]. Drafts are accepted while they equal the drawn token; the drawn token at the first
     mismatch (or after the last draft) is the bonus. With a one-hot draft this is speculative rejection sampling
     (P(accept t) = p(t); on rejection the token is distributed as p without t), and the output is token for token
-    what non-speculative decoding draws. Returns the outputs [rows, width] and accepted [rows] (0..num_drafts).
+    what non-speculative decoding draws. Returns the outputs [rows, width] and accepted [rows] (0..num_drafts); each
+    active row's slot continues after its accepted drafts with the token drawn after them.
     """
     rows, width, vocab = logits.shape
     k = width - 1
@@ -180,8 +201,8 @@ def verify_sample_step(penalties: Penalties, logits: jax.Array, plan: VerifySamp
         extra = jnp.zeros((rows, width, vocab), jnp.int32).at[
             jnp.arange(rows)[:, None, None], jnp.arange(width)[None, :, None], plan.drafts[:, None, :]
         ].add(counted.astype(jnp.int32))
-        counts = penalties.output_counts[plan.slots][:, None] + extra
-        return sample(flat(logits), arrays, repeat(penalties.prompt_mask[plan.slots]), flat(counts), steps,
+        counts = state.output_counts[plan.slots][:, None] + extra
+        return sample(flat(logits), arrays, repeat(state.prompt_mask[plan.slots]), flat(counts), steps,
                       num_top=plan.num_top, logprobs_mode=plan.logprobs_mode)
 
     def neutral() -> SampleOutput:  # no row penalizes: penalties are an exact identity, so skip their state
@@ -195,22 +216,11 @@ def verify_sample_step(penalties: Penalties, logits: jax.Array, plan: VerifySamp
     agree = (out.tokens[:, :k] == plan.drafts) & (jnp.arange(k)[None, :] < plan.num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)
     kept = (jnp.arange(width)[None, :] <= accepted[:, None]) & plan.rows_on[:, None]
-    slots = jnp.where(plan.rows_on, plan.slots, penalties.num_slots)
-    new_counts = penalties.output_counts.at[slots[:, None], out.tokens].add(kept.astype(jnp.int32), mode="drop")
-    return Penalties(penalties.prompt_mask, new_counts), out, accepted
+    slots = jnp.where(plan.rows_on, plan.slots, state.num_slots)
+    state = replace(state, output_counts=state.output_counts.at[slots[:, None], out.tokens].add(
+        kept.astype(jnp.int32), mode="drop"))
+    bonus = jnp.take_along_axis(out.tokens, accepted[:, None], axis=1)[:, 0]  # drawn after the accepted drafts
+    return state.advance(slots, bonus, plan.starts + accepted + 1, plan.steps + accepted + 1), out, accepted
 
 
-@jax.jit
-def verified_inputs(tokens: jax.Array, accepted: jax.Array, starts, steps, order, active
-                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The inputs of the decode step queued after a verify, from its outputs on device (tokens [rows, width],
-    accepted [rows]) and its plan (starts, steps [rows]): each row's token drawn after its accepted drafts, its
-    position and its token index, in the rows' `order` (`plan.after_verify_rows`), 0 where not `active`. Jitted,
-    so it compiles with the other steps (warm-up) instead of as eager ops on first use."""
-    fed = jnp.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
-    return (fed[order], jnp.where(active, (starts + accepted + 1)[order], 0),
-            jnp.where(active, (steps + accepted + 1)[order], 0))
-
-
-STEP_FUNCTIONS = (prefill_step, decode_step, sample_step, copy_slot_prefix, verify_step, verify_sample_step,
-                  verified_inputs)
+STEP_FUNCTIONS = (prefill_step, decode_step, sample_step, copy_slot_prefix, verify_step, verify_sample_step)

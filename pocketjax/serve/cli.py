@@ -9,7 +9,7 @@ import time
 
 from ..engine.config import ENVIRONMENT, EngineConfig
 from ..errors import ConfigError, PocketJaxError
-from ..engine.sampling import LOGPROBS_MODES, SamplingParams
+from ..engine.sampling_params import LOGPROBS_MODES, SamplingParams
 from ..model.config import DTYPES
 from ..model.kv_cache import KV_DTYPES
 from ..model.layers import ATTENTION_IMPLS
@@ -158,8 +158,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
-    from .http_guard import ServerLimits
-    from .server import default_model_name, serve
+    from .http.http_guard import ServerLimits
+    from .http.server import default_model_name, serve
     api_key = args.api_key if args.api_key is not None else os.environ.get("POCKETJAX_API_KEY")
     if api_key is not None and not api_key.strip():  # an empty key would silently turn authentication off
         raise ConfigError("--api-key (or $POCKETJAX_API_KEY) is empty: give a key, or leave it unset for no key")

@@ -34,7 +34,7 @@ class RequestHandle:
         self.cancel_requested = False
         self.queued_at = time.perf_counter()
         self.admitted_at: float | None = None  # when the scheduler gave it a slot (`admitted`)
-        self._observer: Any = None  # told of each push and of the end: serve/metrics.py's RequestMetrics
+        self._observer: Any = None  # told of each push and of the end: serve/http/metrics.py's RequestMetrics
         sp = request.sampling
         self._detok = (IncrementalDetokenizer(tokenizer, request.prompt_tokens, sp.skip_special_tokens)
                        if tokenizer else None)

@@ -11,7 +11,7 @@ import numpy as np
 from ..engine.config import EngineConfig, use_compile_cache
 from ..engine.engine import Engine
 from ..engine.request import Completion
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from ..errors import RequestError
 from ..model.decoder import Model, load_model
 from .distributed import ProcessGroup, default_mesh

@@ -32,7 +32,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..engine.request import BatchedRequest
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from ..errors import DistributedError, PocketJaxError, RequestError, StoppedError
 from .distributed import ProcessGroup
 from .handle import RequestHandle

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..engine.engine import Engine, PendingDecode, PendingVerify
 from ..engine.request import BatchedRequest, RequestStatus
-from ..engine.sampling import SamplingParams
+from ..engine.sampling_params import SamplingParams
 from ..engine.slots import hashable
 from ..engine.weights import placed
 from ..errors import (CapacityError, ConfigError, DistributedError, NumericsError, PocketJaxError, RequestError,
@@ -337,32 +337,26 @@ class Scheduler:
 
     def _engine_intact(self) -> bool:
         """False when a failed call had already donated the cache (its buffers are gone): nothing can be re-run."""
-        leaves = jax.tree_util.tree_leaves((self.engine.cache, self.engine.penalties))
+        leaves = jax.tree_util.tree_leaves((self.engine.cache, self.engine.slot_state))
         return not any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves)
 
     def _decode_pipelined(self, handles: list[RequestHandle]) -> None:
-        """Queue the next decode step, then read the one in flight, whose tokens `step` hands out while it runs.
+        """Queue the next decode step behind the one in flight, then read that one, whose tokens `step` hands out
+        while the new one runs (with nothing in flight: queue two, read the first).
 
-        A request that just joined the decoding set needs its input token from the host: the step in flight is read
-        first, a host-fed step restarts the pipeline with the next step queued behind it, and the host-fed step is
-        read in this step too. Tokens read early are handed out once the new steps are queued; a request they end
-        (a stop string) has its rows in those steps discarded by the engine.
+        Every row's input is its slot's state on device, so a request that just joined rides in the step queued
+        now: nothing drains. Tokens read may end a request (a stop token or string); its row in the step queued
+        after them is discarded by the engine.
         """
         pending, self._pending = self._pending, None
         requests = [h.request for h in handles]
-        joined = pending is not None and not pending.continues(requests)
-        if joined:
-            self._run(handles, self.engine.collect, pending)
-            pending = None
-        if all(r.finished for r in requests):
-            return
-        if pending is None:
+        if pending is None and any(not r.finished for r in requests):
             pending = self._run(handles, self.engine.decode_dispatch, requests, alone=self._decode_alone)
+        if pending is None:
+            return
         following = (self._run(handles, self.engine.decode_dispatch, requests, after=pending)
-                     if pending is not None else None)
-        if joined:
-            self._hand_out(handles)
-        if following is not None and self._run(handles, self.engine.collect, pending) is not None:
+                     if any(not r.finished for r in requests) else None)
+        if self._run(handles, self.engine.collect, pending) is not None:
             self._pending = following
 
     def _decode_speculative(self, handles: list[RequestHandle], timed: bool = True) -> None:

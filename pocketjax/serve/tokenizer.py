@@ -1,21 +1,16 @@
 """Text <-> token ids for HF Qwen checkpoints, the chat template, and the host-side streaming helpers.
 
 Encoding and decoding go through the `tokenizers` library with the checkpoint's own tokenizer.json, and chat
-templates render in a Jinja environment built like transformers' (`utils/chat_template_utils.py`), so a prompt
-built here has the same ids as one built with transformers — without importing transformers or torch.
+templates render in a Jinja environment built like transformers' (`chat_template.py`), so a prompt built here has
+the same ids as one built with transformers — without importing transformers or torch.
 """
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
-from functools import lru_cache
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.decoders import DecodeStream
@@ -24,8 +19,8 @@ from ..errors import CheckpointError, RequestError
 from ..model.checkpoint import contained
 from ..model.config import read_json_object
 from ..model.hub import resolve_checkpoint
-from .template_sandbox import (DEFAULT_LIMITS, BoundedSandboxedEnvironment, RenderLimitError, RenderLimits, checked,
-                               render)
+from .chat_template import alias_reasoning, compile_template, plain
+from .template_sandbox import DEFAULT_LIMITS, RenderLimitError, RenderLimits, render
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -34,7 +29,6 @@ TEMPLATE_DIR = "additional_chat_templates"     # named extra templates, one <nam
 # The named special tokens transformers passes to every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 REPLACEMENT_CHAR = "\ufffd"
-MAX_JSON_INDENT = 16  # tojson(indent=) multiplies each nesting level's lines: a wide indent is a size amplifier
 PROMPT_CONTEXT = 5  # prompt ids that streamed text is decoded after (as in vLLM)
 
 
@@ -189,15 +183,15 @@ class Tokenizer:
         final = None
         try:
             # transformers drops None-valued keys (OpenAI-style content=None) and rebuilds inputs from plain types.
-            chat = [{k: _plain(v) for k, v in m.items() if v is not None} for m in messages]
-            chat = [_alias_reasoning(m) for m in chat]
-            variables = {**self.special_tokens, **_plain(kwargs)}
+            chat = [{k: plain(v) for k, v in m.items() if v is not None} for m in messages]
+            chat = [alias_reasoning(m) for m in chat]
+            variables = {**self.special_tokens, **plain(kwargs)}
             if continue_final_message:
                 final = chat[-1].get("content")
                 if not isinstance(final, str):
                     raise RequestError("continue_final_message needs a final message with string content")
                 chat[-1]["content"] = final + tag
-            text = render(template, dict(messages=chat, tools=_plain(tools), documents=_plain(documents),
+            text = render(template, dict(messages=chat, tools=plain(tools), documents=plain(documents),
                                          add_generation_prompt=add_generation_prompt, **variables),
                           self.render_limits)
         except RequestError:
@@ -237,122 +231,6 @@ def _template_dict(templates: Mapping[str, str] | Sequence[Mapping[str, str]] | 
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in found.items()):
         raise TypeError("chat_template must be a string, or named templates that are strings")
     return found
-
-
-def _plain(value: Any) -> Any:
-    """`value` rebuilt from JSON types (what transformers lets a sandboxed template see); others -> "<Type>"."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, str):
-        return str.__str__(value)
-    if isinstance(value, int):
-        return int.__int__(value)
-    if isinstance(value, float):
-        return float.__float__(value)
-    if isinstance(value, Mapping):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_plain(v) for v in value)
-    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", None) == 0:
-        return _plain(value.item())  # numpy scalars
-    return f"<{type(value).__name__}>"
-
-
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-def _alias_reasoning(message: dict) -> dict:
-    """Copy a message's reasoning under every name templates read it by (transformers does the same)."""
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is None:
-        return message
-    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` marks assistant text for training masks; rendering keeps it as is."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    # Jinja's own tojson HTML-escapes and sorts keys; templates were written against json.dumps.
-    if indent is not None and (not isinstance(indent, int) or not 0 <= indent <= MAX_JSON_INDENT):
-        raise jinja2.exceptions.TemplateError(f"tojson indent must be an int in [0, {MAX_JSON_INDENT}]")
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-class _TemplateDict:
-    """`dict(...)` in templates without exposing the dict type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """`namespace(...)` that refuses underscore attributes, closing a sandbox escape (as transformers does)."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - same trick as jinja2.utils.Namespace
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, checked(value))
-
-    @staticmethod
-    def _check(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
-
-
-def template_environment() -> BoundedSandboxedEnvironment:
-    """The Jinja environment transformers renders chat templates in: sandboxed, trimmed, same helpers; bounded in
-    time and size when rendered through `template_sandbox.render`."""
-    env = BoundedSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.add_filter("tojson", _tojson)
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    return env
-
-
-@lru_cache(maxsize=16)
-def compile_template(source: str, name: str = "chat template") -> jinja2.Template:
-    """Compile a chat template once; a template that does not parse is a broken checkpoint."""
-    try:
-        return template_environment().from_string(source)
-    except jinja2.TemplateSyntaxError as err:
-        raise CheckpointError(f"chat template of {name} does not parse: {err}") from err
-    except RecursionError:
-        raise CheckpointError(f"chat template of {name} nests too deeply to compile") from None
 
 
 class IncrementalDetokenizer:

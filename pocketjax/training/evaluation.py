@@ -71,7 +71,7 @@ def parses(source: str) -> bool:
 
 def parse_rate(llm: Any, headers: Sequence[str], max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
     """Greedy completions of `headers` through `llm` (a pocketjax LLM, batched); the share whose cut text parses."""
-    from ..engine.sampling import SamplingParams
+    from ..engine.sampling_params import SamplingParams
 
     outs = llm.generate(list(headers), SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
     cases = []

@@ -17,17 +17,18 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 
-from ..engine.request import Completion
-from ..engine.structured import Structured
-from ..errors import StructuredOutputError
+from ...engine.request import Completion
+from ...engine.structured import Structured
+from ...errors import StructuredOutputError
+from ..handle import RequestHandle
 from .api_error import APIError
-from .handle import RequestHandle
 from .http_guard import ServerLimits
 from .metrics import RequestMetrics
-from .tool_calls import END, START, ToolRequest
+from .tool_call_parser import END, START
+from .tool_calls import ToolRequest
 
 if TYPE_CHECKING:
-    from .llm import LLM
+    from ..llm import LLM
 
 HOST_WORKERS = 4  # threads that render templates, tokenize and submit, off the event loop
 MAX_JSON_DEPTH = 32  # nesting of messages and chat_template_kwargs (templates read a few levels)
@@ -43,6 +44,7 @@ class ServeContext:
     limits: ServerLimits
     metrics: RequestMetrics
     created: int  # the model's `created` timestamp in /v1/models
+    trust_request_chat_template: bool = False  # a request may bring its own chat template (code: off by default)
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(HOST_WORKERS, thread_name_prefix="pocketjax-host"))
 
@@ -85,8 +87,10 @@ class ServeContext:
         return Structured(grammar=tools.grammar(tags)), "tools"
 
     def check_model(self, model: str | None) -> None:
-        """404 when a request names a model this server does not serve (None: the served one)."""
-        check_model(model, self.name)
+        """404 when a request names a model this server does not serve (None: the served one), as OpenAI answers it."""
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.name}`)",
+                           param="model", code="model_not_found")
 
     def budget(self, prompt: Sequence[int], asked: int | None, default: int | None,
                param: str = "max_tokens") -> int:
@@ -106,13 +110,6 @@ class ServeContext:
                      constrained_by: str | None = None) -> list[RequestHandle]:
         """`submit_all` on the pool: submitting compiles a request's constraint, which must not stall the loop."""
         return await self.off_loop(submit_all, self.llm, jobs, param, self.metrics, constrained_by)
-
-
-def check_model(model: str | None, served: str) -> None:
-    """404 when a request names a model other than `served` (None: the served one), as OpenAI answers it."""
-    if model is not None and model != served:
-        raise APIError(404, f"The model `{model}` does not exist (this server serves `{served}`)", param="model",
-                       code="model_not_found")
 
 
 def json_size(value: Any, param: str, depth: int = 0) -> int:

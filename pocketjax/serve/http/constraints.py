@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..engine.structured import Structured
+from ...engine.structured import Structured
 from .api_error import APIError
 
 # vLLM's removed extras -> what replaced them (in its structured_outputs object)

@@ -7,17 +7,17 @@ server (`RemoteTokenizer`: eos/bos/pad tokens and the chat template from /tokeni
 """
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
-from .context import check_model
-from .openai_protocol import APIError, chat_messages, template_options
+from .api_error import APIError
+from .openai_protocol import chat_messages, template_options
 
 if TYPE_CHECKING:
-    from .llm import LLM
+    from ..llm import LLM
+    from .context import ServeContext
 
 
 class TokenizeRequest(BaseModel):
@@ -42,22 +42,21 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-def tokenization_router(llm: LLM, model_name: str) -> APIRouter:
-    """The three routes over `llm`'s tokenizer; requests naming another model get 404 as the /v1 routes do."""
+def tokenization_router(ctx: ServeContext) -> APIRouter:
+    """The three routes over the served LLM's tokenizer; requests naming another model get 404 as the /v1 routes do,
+    and tokenizing or rendering runs on the context's host pool, as the /v1 routes prepare their prompts."""
+    llm = ctx.llm
     tokenizer = llm.tokenizer
     router = APIRouter()
 
-    def check(model: str | None) -> None:
-        check_model(model, model_name)
-
     @router.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        check(body.model)
+        ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", param="prompt")
         if body.messages is None:
-            ids = await asyncio.to_thread(tokenizer.encode, body.prompt,  # a large prompt: off the event loop
-                                          add_special_tokens=body.add_special_tokens in (None, True))
+            ids = await ctx.off_loop(tokenizer.encode, body.prompt,  # a large prompt: off the event loop
+                                     add_special_tokens=body.add_special_tokens in (None, True))
         else:
             if body.chat_template is not None and body.chat_template not in tokenizer.chat_templates:
                 raise APIError(400, f"chat_template must name one of this model's templates "
@@ -72,7 +71,7 @@ def tokenization_router(llm: LLM, model_name: str) -> APIRouter:
                                                      continue_final_message=body.continue_final_message, **options)
                 return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
-            ids = await asyncio.to_thread(render)
+            ids = await ctx.off_loop(render)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.engine.max_seq_len, "tokens": ids,
                                "token_strs": None}
         if body.return_token_strs:
@@ -81,7 +80,7 @@ def tokenization_router(llm: LLM, model_name: str) -> APIRouter:
 
     @router.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
-        check(body.model)
+        ctx.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary [0, {tokenizer.vocab_size})",

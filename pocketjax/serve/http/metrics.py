@@ -39,8 +39,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from .handle import RequestHandle
-    from .llm import LLM
+    from ..handle import RequestHandle
+    from ..llm import LLM
 
 # vLLM's bucket edges, so its dashboards' quantile panels read the same resolution
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -26,18 +26,20 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 from pydantic import Field
 
-from ..errors import PocketJaxError
+from ...errors import PocketJaxError
+from .api_error import APIError
 from .constraints import TextFormat
 from .context import finish_all, merged
-from .openai_protocol import APIError, SamplingFields, with_seed
-from .tool_calls import Arguments, ToolCall, ToolCallParser, ToolRequest, template_messages, tool_request
+from .openai_protocol import SamplingFields, with_seed
+from .replies import event_stream
+from .tool_call_parser import Arguments, ToolCall, ToolCallParser
+from .tool_calls import ToolRequest, template_messages, tool_request
 
 if TYPE_CHECKING:
+    from ..handle import RequestHandle
     from .context import ServeContext
-    from .handle import RequestHandle
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -207,8 +209,7 @@ def responses_router(ctx: ServeContext) -> APIRouter:
         draft = Draft(body, ctx.name, len(prompt), text_format)
         output = Output(tools.parser() if tools is not None and tools.parsed else None)
         if body.stream:
-            return StreamingResponse(events(draft, output, handle), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return event_stream(events(draft, output, handle))
         out = (await finish_all(request, [handle]))[0]
         output.feed(out.text)
         output.finish(out.finish_reason == "length")

@@ -30,7 +30,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 try:  # uvicorn[standard]'s C parser: what uvicorn itself picks when it is installed
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
