@@ -67,7 +67,6 @@ class PendingDecode:
         return self.results is not None
 
 
-
 @dataclass(eq=False)
 class PendingVerify:
     """A dispatched speculative verify step (`Engine.verify_dispatch`), read by `Engine.verify_collect`."""
