@@ -36,19 +36,19 @@ import numpy as np  # noqa: E402
 
 from benchmarks import roofline  # noqa: E402
 from benchmarks.common import DEFAULT_CACHE_DIR, machine, model_folder, parse_ints, write_json  # noqa: E402
-from benchmarks.presets import PRESETS  # noqa: E402
+from benchmarks.peers import Prompts, launch  # noqa: E402 - Prompts: the peers' processes make theirs alike
+from benchmarks.presets import GGUF_TYPES, PRESETS  # noqa: E402
 from pocketjax.model.config import ModelConfig  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.plan import bucket, decode_at  # noqa: E402
-from pocketjax.engine.steps import decode_step, sample_step  # noqa: E402
 from pocketjax.model.kv_cache import init_cache  # noqa: E402
 from pocketjax.model import cpu_kernels  # noqa: E402
 from pocketjax.model.layers import ATTENTION_IMPLS  # noqa: E402
 from pocketjax.model.decoder import decode_forward, lm_head, load_model, prefill_forward  # noqa: E402
 from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 
-PEERS = ("transformers", "llamacpp")
+PEERS = ("transformers", "llamacpp", "vllm")  # each runs in its own process: benchmarks/peers/
 CHECK_GEN_LEN = 25  # tokens per request in the issue-3 checks: medians over ~100 steps per figure are plenty
 QUICK = dict(model="qwen3-tiny", concurrency="1,4", prompt_len=32, gen_len=16, repeats=3)
 
@@ -79,13 +79,17 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
                    help="comma-separated: invariant (the default engine: native CPU kernels, batch-invariant), xla "
                         "(batch_invariant=False: XLA's forms, system 'pocketjax-xla-forms'); both: the cost table")
     p.add_argument("--peers", default=default("transformers"),
-                   help="comma-separated: transformers, llamacpp ('' for none)")
+                   help="comma-separated: transformers, llamacpp, vllm ('' for none); each in its own process")
+    p.add_argument("--vllm-python", default=default(sys.executable),
+                   help="the interpreter of vLLM's own venv (benchmarks/README.md); default: this one")
+    p.add_argument("--peer-timeout", type=float, default=default(1800.0),
+                   help="seconds one peer process may run before it is ended (its row then says so)")
     p.add_argument("--gguf", default=default(None),
                    help="GGUF file for the llama.cpp peer's --dtype rows (default: <model>/model-<dtype>.gguf)")
     p.add_argument("--gguf-types", default=default(""),
                    help="comma-separated encodings the llama.cpp peer runs, each its own rows, converted once to "
-                        "<model>/model-<type>.gguf (float32, float16, bfloat16, q8_0; empty: --dtype, plus q8_0 when "
-                        "--quantize has an int8 mode)")
+                        "<model>/model-<type>.gguf (float32, float16, bfloat16, q8_0, q4_0, q4_k_m; empty: --dtype, "
+                        "plus q8_0 when --quantize has an int8 mode, q4_0 and q4_k_m when it has an int4 one)")
     p.add_argument("--threads", type=int, default=default(0), help="peer threads (0: the CPUs this process may use)")
     p.add_argument("--cache-dir", default=default(DEFAULT_CACHE_DIR), help="where presets are built")
     p.add_argument("--json", default=default(None), help="write {machine, records} here")
@@ -120,7 +124,10 @@ def resolve_args(args: argparse.Namespace | dict | None = None, **kwargs) -> Sim
     out["load_dtypes"] = parse_names(out["load_dtypes"]) or [out["dtype"]]
     out["quantize"] = [None if q == "none" else q for q in parse_names(out["quantize"])] or [None]
     out["gguf_types"] = parse_names(out["gguf_types"]) or (
-        [out["dtype"]] + (["q8_0"] if any(q and q.startswith("int8") for q in out["quantize"]) else []))
+        [out["dtype"]] + (["q8_0"] if any(q and q.startswith("int8") for q in out["quantize"]) else [])
+        + (["q4_0", "q4_k_m"] if any(q and q.startswith("int4") for q in out["quantize"]) else []))
+    if set(out["gguf_types"]) - set(GGUF_TYPES):
+        raise SystemExit(f"--gguf-types: from {', '.join(GGUF_TYPES)}, got {out['gguf_types']}")
     unknown = [p for p in out["peers"] if p not in PEERS]
     if unknown:
         raise SystemExit(f"unknown peer(s) {unknown}: choose from {', '.join(PEERS)}")
@@ -172,24 +179,6 @@ def machine_info(args: SimpleNamespace, peaks: roofline.Peaks) -> dict:
         except Exception:  # noqa: BLE001 - a missing or broken peer only loses its version line
             info[name] = None
     return info
-
-
-class Prompts:
-    """Random prompts whose first token differs across the whole run, so the engine's prefix reuse never hits."""
-
-    def __init__(self, vocab: int, seed: int = 0):
-        self.rng = np.random.default_rng(seed)
-        self.vocab = vocab
-        self.count = 0
-
-    def make(self, n: int, length: int) -> list[list[int]]:
-        out = []
-        for _ in range(n):
-            tokens = self.rng.integers(2, self.vocab, size=length).tolist()
-            tokens[0] = 2 + self.count % (self.vocab - 2)
-            self.count += 1
-            out.append(tokens)
-        return out
 
 
 # ---- pocketjax ------------------------------------------------------------------------------------------------------
@@ -329,18 +318,16 @@ def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: Simple
     plan, sample = decode_at(scratch.rules, [args.prompt_len] * c)
     slots = jnp.arange(c)  # rows 0..c-1 continue at prompt_len, as the engine's requests do after their prefill
     ones, zeros = jnp.ones(c, jnp.int32), jnp.zeros(c, jnp.int32)
-    state = {"cache": scratch.cache, "slots": scratch.slot_state.advance(slots, ones, args.prompt_len + zeros, zeros)}
+    device, state = scratch.device, {}
+    device.state = device.state.advance(slots, ones, args.prompt_len + zeros, zeros)
     hidden = jnp.ones((plan.rows, cfg.hidden_size), model.dtype)
     head = jax.jit(lm_head)
 
     def forward():
-        state["cache"], logits = decode_step(model.params, state["cache"], state["slots"], plan, config=cfg,
-                                             impl=engine.impl)
-        state["logits"] = logits.block_until_ready()
+        state["logits"] = device.run("decode", plan).block_until_ready()
 
     def sampler():
-        state["slots"], out = sample_step(state["slots"], state["logits"], sample)
-        np.asarray(out.tokens)
+        np.asarray(device.run("sample_next", state["logits"], sample).tokens)
 
     def head_only():
         head(model.params, hidden).block_until_ready()
@@ -421,172 +408,26 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str, quanti
 
 # ---- peers ----------------------------------------------------------------------------------------------------------
 
-def peer_threads(args: SimpleNamespace) -> int:
-    return args.threads or len(os.sched_getaffinity(0))
+PEER_SEEDS = {"transformers": 1, "llamacpp": 2, "vllm": 3}  # prompts of their own, never pocketjax's
 
 
-def bench_transformers(folder: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
-    """transformers' generate on the same checkpoint and dtype: PyTorch CPU, greedy, KV cache, batch = c.
-
-    Prefill tok/s from one forward over the batch (logits for the last position only, as generate does);
-    decode tok/s from generate(max_new_tokens = min_new_tokens = gen_len) minus that prefill time.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(peer_threads(args))
-    torch_dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype).eval()
-    prompts = Prompts(vocab, seed=1)
-    records = []
-    for c in args.concurrency:
-        def cycle(new_tokens: int) -> tuple[float, float]:
-            ids = torch.tensor(prompts.make(c, args.prompt_len))
-            mask = torch.ones_like(ids)
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1)
-                prefill_s = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                     min_new_tokens=new_tokens, do_sample=False, use_cache=True,
-                                     pad_token_id=0, eos_token_id=None)
-                generate_s = time.perf_counter() - t0
-            assert out.shape[1] == args.prompt_len + new_tokens
-            return prefill_s, generate_s
-
-        cycle(2)  # warm-up: allocator, kernels, generate's setup
-        runs = [cycle(args.gen_len) for _ in range(args.repeats)]
-        prefills = [p for p, _ in runs]
-        decodes = [max(g - p, 1e-9) for p, g in runs]
-        n_steps = args.gen_len - 1
-        rec = {"system": "transformers", "dtype": args.dtype, "concurrency": c,
-               "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
-               "decode_tok_s": c * n_steps / float(np.median(decodes)),
-               "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
-               "prefill_s_runs": prefills, "decode_s_runs": decodes, "threads": torch.get_num_threads()}
-        records.append(rec)
-        print(f"transformers c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} "
-              f"tok/s ({rec['decode_step_ms']:.1f} ms/step)", flush=True)
-    del model
-    gc.collect()
-    return records
+def peer_specs(name: str, folder: Path, args: SimpleNamespace) -> list[dict]:
+    """One spec per peer process (benchmarks/peers/__init__.py): llama.cpp once per --gguf-types encoding, so that
+    one encoding's crash costs its rows alone; transformers and vLLM in --dtype."""
+    common = {"checkpoint": str(folder), "dtype": args.dtype, "concurrency": list(args.concurrency),
+              "prompt_len": args.prompt_len, "gen_len": args.gen_len, "repeats": args.repeats,
+              "threads": args.threads or len(os.sched_getaffinity(0)), "seed": PEER_SEEDS[name]}
+    if name == "llamacpp":
+        return [common | {"kind": kind, "gguf": args.gguf} for kind in args.gguf_types]
+    return [common | {"kind": args.dtype}]
 
 
-def gguf_path(folder: Path, args: SimpleNamespace, kind: str) -> Path:
-    return Path(args.gguf) if args.gguf and kind == args.dtype else folder / f"model-{kind}.gguf"
-
-
-def bench_llamacpp(folder: Path, args: SimpleNamespace, vocab: int) -> list[dict]:
-    """llama.cpp through llama-cpp-python's low-level API: one llama_decode per step over c sequences, once per GGUF
-    encoding in args.gguf_types (q8_0 rows carry quantize="q8_0").
-
-    Skips (one printed line each) when the package is missing or a GGUF can neither be found nor converted.
-    """
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        print("llamacpp: skipped: llama-cpp-python is not installed (see benchmarks/README.md)", flush=True)
-        return []
-    records = []
-    for kind in args.gguf_types:
-        path = gguf_path(folder, args, kind)
-        if not path.exists():
-            try:
-                from benchmarks.presets import write_gguf
-                write_gguf(folder, path, kind)
-            except Exception as e:  # noqa: BLE001 - any conversion failure is a skip, with its reason
-                print(f"llamacpp {kind}: skipped: no GGUF at {path} and converting failed ({type(e).__name__}: {e}); "
-                      f"see benchmarks/README.md", flush=True)
-                continue
-        try:
-            records += run_llamacpp(path, args, vocab, kind)
-        except Exception as e:  # noqa: BLE001
-            print(f"llamacpp {kind}: skipped: {type(e).__name__}: {e}", flush=True)
-    return records
-
-
-def run_llamacpp(path: Path, args: SimpleNamespace, vocab: int, kind: str) -> list[dict]:
-    import llama_cpp as L
-
-    L.llama_backend_init()
-    mparams = L.llama_model_default_params()
-    load = getattr(L, "llama_model_load_from_file", None) or L.llama_load_model_from_file
-    model = load(str(path).encode(), mparams)
-    if not model:
-        raise RuntimeError(f"llama.cpp could not load {path}")
-    prompts = Prompts(vocab, seed=2)
-    threads = peer_threads(args)
-    records = []
-    for c in args.concurrency:
-        cparams = L.llama_context_default_params()
-        cparams.n_ctx = c * (args.prompt_len + args.gen_len) + 64
-        cparams.n_batch = cparams.n_ubatch = max(c * args.prompt_len, c)
-        cparams.n_seq_max = c
-        cparams.n_threads = cparams.n_threads_batch = threads
-        new_ctx = getattr(L, "llama_init_from_model", None) or L.llama_new_context_with_model
-        ctx = new_ctx(model, cparams)
-        if not ctx:
-            raise RuntimeError("llama.cpp could not create a context")
-        batch = L.llama_batch_init(cparams.n_batch, 0, c)
-        n_vocab = vocab
-
-        def clear():
-            if hasattr(L, "llama_memory_clear"):  # the API was renamed twice across llama.cpp versions
-                L.llama_memory_clear(L.llama_get_memory(ctx), True)
-            elif hasattr(L, "llama_kv_self_clear"):
-                L.llama_kv_self_clear(ctx)
-            else:
-                L.llama_kv_cache_clear(ctx)
-
-        def fill(rows: list[tuple[int, int, int, bool]]) -> None:  # (token, position, sequence, wants logits)
-            batch.n_tokens = len(rows)
-            for i, (tok, pos, seq, logits) in enumerate(rows):
-                batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
-                batch.seq_id[i][0] = seq
-                batch.logits[i] = int(logits)
-
-        def argmax(i: int) -> int:
-            ptr = L.llama_get_logits_ith(ctx, i)
-            return int(np.argmax(np.ctypeslib.as_array(ptr, shape=(n_vocab,))))
-
-        def cycle() -> tuple[float, float]:
-            clear()
-            ps = prompts.make(c, args.prompt_len)
-            rows = [(t, j, s, j == args.prompt_len - 1) for s, p in enumerate(ps) for j, t in enumerate(p)]
-            fill(rows)
-            t0 = time.perf_counter()
-            if L.llama_decode(ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed on the prompt batch")
-            last = [argmax((s + 1) * args.prompt_len - 1) for s in range(c)]
-            prefill_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for step in range(args.gen_len - 1):
-                fill([(last[s], args.prompt_len + step, s, True) for s in range(c)])
-                if L.llama_decode(ctx, batch) != 0:
-                    raise RuntimeError("llama_decode failed on a decode batch")
-                last = [argmax(s) for s in range(c)]
-            return prefill_s, time.perf_counter() - t0
-
-        cycle()
-        runs = [cycle() for _ in range(args.repeats)]
-        L.llama_batch_free(batch)
-        L.llama_free(ctx)
-        prefills, decodes = [p for p, _ in runs], [d for _, d in runs]
-        n_steps = args.gen_len - 1
-        quantized = kind not in ("float32", "float16", "bfloat16")
-        rec = {"system": "llamacpp", "dtype": args.dtype if quantized else kind, "concurrency": c,
-               "quantize": kind if quantized else None,
-               "prefill_tok_s": c * args.prompt_len / float(np.median(prefills)),
-               "decode_tok_s": c * n_steps / float(np.median(decodes)),
-               "decode_step_ms": 1e3 * float(np.median(decodes)) / n_steps,
-               "prefill_s_runs": prefills, "decode_s_runs": decodes, "threads": threads, "gguf": str(path)}
-        records.append(rec)
-        print(f"llamacpp {kind} c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s",
-              flush=True)
-    free_model = getattr(L, "llama_model_free", None) or L.llama_free_model
-    free_model(model)
-    return records
+def bench_peer(name: str, folder: Path, args: SimpleNamespace) -> list[dict]:
+    """A peer's rows, each of its runs in its own process (vLLM under --vllm-python); a run that fails, crashes or
+    outlives --peer-timeout leaves a "skipped" row saying why (benchmarks/peers/launch.py)."""
+    python = args.vllm_python if name == "vllm" else sys.executable
+    return [row for spec in peer_specs(name, folder, args)
+            for row in launch.run_peer(python, name, spec, args.peer_timeout)]
 
 
 # ---- roofline, output -----------------------------------------------------------------------------------------------
@@ -648,6 +489,10 @@ def markdown_table(records: list[dict]) -> str:
             "sampler / host ms | % BW roofline | % BW of own probe | % matmul peak (prefill) |")
     lines = [head, "|" + "---|" * 4 + "---:|" * 7]
     for r in records:
+        if "skipped" in r:  # a peer that could not run: why, in place of its numbers
+            why = str(r["skipped"]).replace("|", "/")
+            lines.append(f"| {r['system']} | {r.get('dtype') or '-'} | - | skipped: {why} |" + " |" * 7)
+            continue
         if "decode_tok_s" not in r:
             continue
         split = ("-" if "forward_ms" not in r else
@@ -749,11 +594,10 @@ def run_benchmark(args: argparse.Namespace | dict | None = None, **kwargs) -> di
                 records += probed(rows, bandwidth)
                 phases[f"pocketjax-{load_dtype}-{quantize or 'float'}-{forms}"] = time.perf_counter() - t0
                 save(result, config, args, peaks)  # after each system: a long run that is stopped keeps its rows
-    peers = {"transformers": bench_transformers, "llamacpp": bench_llamacpp}
     for name in args.peers:
         t0 = time.perf_counter()
         bandwidth = max(roofline.read_bandwidth(probe_bytes, 4).values())
-        records += probed(peers[name](folder, args, config.vocab_size), bandwidth)
+        records += probed(bench_peer(name, folder, args), bandwidth)
         phases[name] = time.perf_counter() - t0
         save(result, config, args, peaks)
     t0 = time.perf_counter()

@@ -27,7 +27,6 @@ from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.sampling_params import MAX_LOGPROBS  # noqa: E402
 from pocketjax.engine.plan import PrefillPlan  # noqa: E402
-from pocketjax.engine.steps import prefill_step  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 
 VARIANTS = {"plain": None, "scored top-0": 0, f"scored top-{MAX_LOGPROBS}": MAX_LOGPROBS}
@@ -45,8 +44,7 @@ def time_variant(engine: Engine, num_top: int | None, c: int, length: int, repea
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        engine.cache, logits, scores = prefill_step(engine.model.params, engine.cache, plan,
-                                                    config=engine.model.config, impl=engine.impl)
+        logits, scores = engine.device.run("prefill", plan)
         jax.block_until_ready(logits if scores is None else scores)
         if i:
             times.append(time.perf_counter() - start)

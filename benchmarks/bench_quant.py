@@ -11,6 +11,13 @@ variants compute in float32 there, so the figure isolates the quantization error
 untimed round compiles every shape), variants interleaved round by round over --repeats rounds; the best and the
 median round are reported. On a shared CPU box these numbers are noisy: compare within one run only.
 
+GGUF (`--gguf-types`, default float32,q8_0,q4_0,q4_k_m): llama.cpp's perplexity of the same checkpoint written as
+GGUF (Q4_0 / Q4_K_M by llama-cpp-python's own quantizer from the float32 GGUF) on the same tokens, each encoding in
+its own process (benchmarks/peers/llamacpp_peer.py), beside int4 and int4 with an int8 KV cache; a row says
+"skipped" with the reason where llama-cpp-python is missing or the process failed. The float32 GGUF's perplexity
+matching ours checks the conversion. Their speed beside pocketjax int4: bench_engine.py --quantize int4 --peers
+llamacpp (--gguf-types then defaults to q4_0,q4_k_m beside --dtype).
+
 Outliers (`--outliers 30,300`, the default): the perplexity rows again on copies of the model whose two channels are
 planted 30x / 300x larger through every RMSNorm weight and their input columns of q/k/v and gate/up as much smaller
 (`presets.plant_outliers(compensate=True)`: the same float function, so the same float perplexity), the "massive
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import statistics
 import sys
 import time
@@ -36,7 +44,8 @@ import numpy as np  # noqa: E402
 import pocketjax as pj  # noqa: E402
 from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
                                parse_ints, write_json)
-from benchmarks.presets import plant_outliers  # noqa: E402
+from benchmarks.peers import launch  # noqa: E402
+from benchmarks.presets import GGUF_TYPES, plant_outliers  # noqa: E402
 from pocketjax.model import quant  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
@@ -166,6 +175,24 @@ def decode_speeds(models: dict[str, tuple[pj.Model, str | None]], concurrency: i
     return {name: (max(r), statistics.median(r)) for name, r in rates.items()}
 
 
+def gguf_perplexities(folder: Path, tokens: np.ndarray, kinds: list[str], base: float, source: str) -> list[dict]:
+    """llama.cpp's perplexity of each GGUF encoding of `folder` on `tokens` (benchmarks/peers/llamacpp_peer.py, one
+    process per encoding: a crash costs that row only), against pocketjax's float32 perplexity `base`. The GGUFs
+    (Q4_0 / Q4_K_M by llama.cpp's own quantizer from the float32 one) go to the cache dir, never the model's folder."""
+    rows = []
+    for kind in kinds:
+        spec = {"task": "perplexity", "checkpoint": str(folder), "dtype": "float32", "kind": kind, "seed": 0,
+                "tokens": tokens.tolist(), "threads": len(os.sched_getaffinity(0)),
+                "gguf_dir": str(Path(DEFAULT_CACHE_DIR) / f"{folder.name}-gguf")}
+        for row in launch.run_peer(sys.executable, "llamacpp", spec, timeout=1800):
+            if "skipped" in row:
+                rows.append({"kind": "ppl", "variant": f"llama.cpp {kind} GGUF", "ppl": None, "increase": None,
+                             "skipped": row["skipped"], "source": source})
+            else:
+                rows.append(row | {"ppl": row["ppl"], "increase": row["ppl"] / base - 1, "source": source})
+    return rows
+
+
 def forward_temp_bytes(model: pj.Model, length: int = 64) -> int:
     """XLA's temporary buffer bytes for one full forward: shows whether dequantized weights pile up."""
     tokens = jnp.zeros((1, length), jnp.int32)
@@ -183,6 +210,10 @@ def main() -> None:
                         "every RMSNorm weight (presets.plant_outliers: real Qwen checkpoints' massive activations); "
                         "'' for none")
     p.add_argument("--no-speed", action="store_true", help="skip the decode speed rounds (the slow part)")
+    p.add_argument("--gguf-types", default="float32,q8_0,q4_0,q4_k_m",
+                   help="GGUF encodings of the same checkpoint whose llama.cpp perplexity is scored on the same "
+                        f"tokens, each in its own process (of {', '.join(GGUF_TYPES)}; '' for none; needs "
+                        "llama-cpp-python and gguf)")
     add_options(p, json=None)
     args = p.parse_args()
     folder = resolve_model(args.model)
@@ -240,6 +271,10 @@ def main() -> None:
             ppl = perplexity(float_model, tokens, kv_dtype=kv)
             records.append({"kind": "ppl", "variant": f"{kv} KV cache", "ppl": ppl, "increase": ppl / base - 1,
                             "source": source})
+        ppl = perplexity(pj.load_model(folder, dtype="float32", quantize="int4"), tokens, kv_dtype="int8")
+        records.append({"kind": "ppl", "variant": "int4, int8 KV cache", "ppl": ppl, "increase": ppl / base - 1,
+                        "source": source})
+        records += gguf_perplexities(folder, tokens, [t for t in args.gguf_types.split(",") if t], base, source)
 
     # decode speed
     models = {f"{mode or dtype} ({dtype} compute)" + (f", {kv} KV" if kv else ""):
@@ -270,7 +305,8 @@ def print_table(info: dict, records: list[dict]) -> None:
         [r["variant"], f"{r['forward_temp_bytes']:,}"] for r in kind("temp"))))
     ppl = kind("ppl")
     print("\n" + markdown_table([f"perplexity ({ppl[0]['source']})", "ppl", "increase"], (
-        [r["variant"], f"{r['ppl']:.4f}", f"{100 * r['increase']:+.2f}%"] for r in ppl)))
+        [r["variant"], f"{r['ppl']:.4f}", f"{100 * r['increase']:+.2f}%"] if r["ppl"] is not None
+        else [r["variant"], f"skipped: {r['skipped']}".replace("|", "/"), "-"] for r in ppl)))
     if kind("decode"):  # none with --no-speed
         print("\n" + markdown_table(["decode (noisy shared CPU)", "concurrency", "best tok/s", "median tok/s"], (
             [r["variant"], r["concurrency"], f"{r['decode_tok_s']:.1f}", f"{r['decode_tok_s_median']:.1f}"]

@@ -45,7 +45,6 @@ from pocketjax.engine import engine as engine_module  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.plan import decode_plans, verify_plans  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
-from pocketjax.engine.steps import decode_step, sample_step, verify_sample_step, verify_step  # noqa: E402
 from pocketjax.engine.request import RequestStatus  # noqa: E402
 from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 from pocketjax.engine.speculative import NgramIndex  # noqa: E402
@@ -232,34 +231,29 @@ def profile_rows(engine: Engine, prompts: list[list[int]], iters: int) -> dict:
         cached = lambda slot: len(engine.slots.tokens[slot])  # noqa: E731
         reach = lambda r: cached(r.slot_id)  # noqa: E731
         drafts = [[7] * k for _ in reqs]
-        step = dict(config=engine.model.config, impl=engine.impl)
+        device = engine.device
         _, dplan, splan = decode_plans(rules, reqs, reach)
         _, vplan, vsplan = verify_plans(rules, reqs, drafts, cached)
         held = {}
-        before = jax.tree.map(jnp.copy, engine.slot_state)  # the steps timed alone advance it: restored after
+        before = jax.tree.map(jnp.copy, device.state)  # the steps timed alone advance it: restored after
 
         def plain_forward():
-            engine.cache, held["logits"] = decode_step(engine.model.params, engine.cache, engine.slot_state, dplan,
-                                                       **step)
-            held["logits"].block_until_ready()
+            held["logits"] = device.run("decode", dplan).block_until_ready()
 
         def plain_sample():
-            engine.slot_state, out = sample_step(engine.slot_state, held["logits"], splan)
-            out.tokens.block_until_ready()
+            device.run("sample_next", held["logits"], splan).tokens.block_until_ready()
 
         def verify_forward():
-            engine.cache, held["vlogits"] = verify_step(engine.model.params, engine.cache, vplan, **step)
-            held["vlogits"].block_until_ready()
+            held["vlogits"] = device.run("verify", vplan).block_until_ready()
 
         def verify_sample():
-            engine.slot_state, out, accepted = verify_sample_step(engine.slot_state, held["vlogits"], vsplan)
-            accepted.block_until_ready()
+            device.run("sample_verify", held["vlogits"], vsplan)[1].block_until_ready()
 
         record = dict(rows=vplan.rows, requests=len(reqs))
         for name, fn in (("plain_forward_ms", plain_forward), ("plain_sample_ms", plain_sample),
                          ("verify_forward_ms", verify_forward), ("verify_sample_ms", verify_sample)):
             record[name] = round(median_ms(fn, iters), 3)
-        engine.slot_state = before
+        device.state = before
         record["draft_ms"] = round(median_ms(lambda: engine.draft(reqs), iters), 3)
         record["plan_plain_ms"] = round(median_ms(lambda: decode_plans(rules, reqs, reach), iters), 3)
         record["plan_verify_ms"] = round(median_ms(lambda: verify_plans(rules, reqs, drafts, cached), iters), 3)

@@ -34,9 +34,9 @@ import numpy as np  # noqa: E402
 from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
                                parse_ints, write_json)
 from pocketjax.engine.engine import Engine  # noqa: E402
-from pocketjax.engine.plan import Signature, empty_plan  # noqa: E402
+from pocketjax.engine.plan import Signature  # noqa: E402
+from pocketjax.engine.runner import empty_plan  # noqa: E402
 from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
-from pocketjax.engine.steps import sample_step  # noqa: E402
 from pocketjax.engine.structured import Structured, all_allowed  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 from pocketjax.serve.llm import DEFAULT_MODEL  # noqa: E402
@@ -108,7 +108,7 @@ def sampler_ms(engine: Engine, c: int, masked: bool, calls: int = 20) -> float:
     times = []
     for _ in range(calls + 1):
         start = time.perf_counter()
-        engine.slot_state, out = sample_step(engine.slot_state, logits, plan)
+        out = engine.device.run("sample_next", logits, plan)
         jax.block_until_ready(out.tokens)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times[1:])

@@ -32,7 +32,8 @@ from benchmarks.presets import preset_config  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
-from pocketjax.engine.plan import Signature, StepRules, empty_plan  # noqa: E402
+from pocketjax.engine.plan import Signature, StepRules  # noqa: E402
+from pocketjax.engine.runner import empty_plan  # noqa: E402
 from pocketjax.engine.steps import SlotState, decode_step  # noqa: E402
 from pocketjax.model.checkpoint import nest, param_tensors  # noqa: E402
 from pocketjax.model.config import ModelConfig  # noqa: E402

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the attention kernels: the Pallas kernel tests compiled for the GPU (not interpreted), the
-# Triton kernels' numerics launched through jax-triton, the kernel timings, then the engine with each
-# attention path (xla | pallas | triton): greedy tokens equal to XLA's, and decode tok/s. Run from the repo
-# root on a machine whose python already has jax with CUDA (+ jax-triton and triton for the Triton path:
-# `pip install -e ".[cuda12]"`); installs nothing. Last, the engine at Qwen3-0.6B shapes in bfloat16 (random
-# weights) at 1/8/32/64 requests under xla and pallas, with its share of the measured read bandwidth (HBM) at 1.
-# Everything lands in $OUT (default ./out). Budget: about 8 minutes (each step has its own timeout).
+# GPU check of the attention kernels, the questions that need numbers first: the kernel timings (our decode and
+# prefill kernels beside XLA's attention, JAX's GQA kernel and cuDNN's `jax.nn.dot_product_attention`, same
+# shapes); the engine at Qwen3-0.6B shapes in bfloat16 (random weights) at 1/8/32/64 requests under xla, pallas,
+# and pallas with the Pallas-Triton custom calls captured in XLA's command buffers (CUDA graphs; off by default,
+# jax#27988: $CMDBUF_FLAGS), each with its share of the measured read bandwidth (HBM) at 1; the engine with each
+# attention path (xla | pallas | triton): greedy tokens equal to XLA's, and decode tok/s; then the Pallas kernel
+# tests compiled for the GPU (not interpreted) and the Triton kernels' numerics through jax-triton. Run from the
+# repo root on a machine whose python already has jax with CUDA (+ jax-triton and triton for the Triton path:
+# `pip install -e ".[cuda12]"`); installs nothing. Everything lands in $OUT (default ./out).
+# Budget: $BUDGET seconds (default 450, under 8 minutes) for the whole run: each step has its own cap and never
+# runs past what is left; a step the budget leaves no time for says so ("budget: skipped") and fails the run.
 #   OUT=./out bash benchmarks/device_check.sh
 # --dry-run (CI's second leg, on CPU, under the GPU host's Python/JAX): every step up to its first call that needs
 # a GPU, at the smallest sizes: the environment report, the kernel tests collected (and the no-pytest runner's
@@ -35,9 +39,26 @@ else
   COLLECT=()
 fi
 has_pytest=0; "$PY" -c "import pytest" 2>/dev/null && has_pytest=1
+# Pallas-Triton custom calls (target __gpu$xla.gpu.triton) and XLA's command buffers (CUDA graphs): decode at batch 1
+# on Hopper is launch-bound, so one graph launch per step instead of one per kernel is the difference measured.
+# jax#27988's workaround captures them where XLA leaves them out by default; a jaxlib whose XLA no longer knows that
+# flag (0.10.2 here: "Unknown flag", and XLA aborts on any backend) captures compatible custom calls by default, and
+# the other side of the comparison is then command buffers off.
+CMDBUF_ON='--xla_gpu_enable_command_buffer=+CUSTOM_CALL'
+CMDBUF_ON+=' --legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton'
+CMDBUF_OFF='--xla_gpu_enable_command_buffer='
+BUDGET=${BUDGET:-$([ "$DRY" -eq 1 ] && echo 1800 || echo 450)}  # the dry run on busy CPUs is slower, and untimed
+capped() {  # capped SECONDS CMD...: CMD under `timeout`, at most SECONDS and never past the budget
+  local cap=$1 rest=$((BUDGET - SECONDS)); shift
+  [ "$rest" -lt "$cap" ] && cap=$rest
+  if [ "$cap" -lt 10 ]; then
+    echo "budget: skipped (${SECONDS}s of ${BUDGET}s spent): ${*:1:3}" | tee -a "$OUT/summary.txt"; return 124
+  fi
+  timeout "$cap" "$@"
+}
 
 echo "== environment" | tee "$OUT/summary.txt"
-timeout 60 "$PY" - <<'EOF' 2>&1 | tee "$OUT/env.txt" | tee -a "$OUT/summary.txt"
+capped 60 "$PY" - <<'EOF' 2>&1 | tee "$OUT/env.txt" | tee -a "$OUT/summary.txt"
 import jax, jaxlib
 from pallas_kernels import tuning
 from pocketjax.model.layers import resolve_impl
@@ -52,13 +73,59 @@ print("prefill blocks bf16 D=128:", tuning.block_sizes("prefill", 128, "bfloat16
 print("jax-triton:", tuning.jax_triton_unsupported(d) or "importable", "| triton ->", resolve_impl("triton", device=d))
 EOF
 env_rc=${PIPESTATUS[0]}
+# which side of the command-buffer comparison this jaxlib takes (each probe: a fresh jax import under the flags)
+accepts() { XLA_FLAGS="${XLA_FLAGS:-} $1" capped 60 "$PY" -c "import jax; jax.devices()" >/dev/null 2>&1; }
+note() { echo "$*" | tee -a "$OUT/env.txt" | tee -a "$OUT/summary.txt"; }
+if accepts "$CMDBUF_ON"; then
+  CMDBUF_RUN=pallas_cmdbuf CMDBUF_FLAGS=$CMDBUF_ON
+  note "command buffers: jax#27988's workaround accepted: pallas runs without and with $CMDBUF_ON"
+elif accepts "$CMDBUF_OFF"; then
+  CMDBUF_RUN=pallas_nocmdbuf CMDBUF_FLAGS=$CMDBUF_OFF
+  note "command buffers: --legacy_command_buffer_custom_call_targets unknown to this jaxlib (it captures custom" \
+    "calls by default): pallas runs with XLA's default and with $CMDBUF_OFF"
+else
+  CMDBUF_RUN="" CMDBUF_FLAGS="" env_rc=1
+  note "command buffers: neither flag set parses in this jaxlib: no comparison"
+fi
+
+echo "== kernel timings" | tee -a "$OUT/summary.txt"
+KERNEL_ARGS=(); [ "$DRY" -eq 1 ] && KERNEL_ARGS=(--smoke)  # every implementation once, interpreted, tiny
+capped 100 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" "${KERNEL_ARGS[@]}" 2>&1 \
+  | tee "$OUT/kernels_bench.log"
+bench_rc=${PIPESTATUS[0]}
+sed -n '/^peak copy bandwidth/,$p' "$OUT/kernels_bench.log" >> "$OUT/summary.txt"
+
+echo "== engine decode at Qwen3-0.6B shapes, bfloat16: tok/s at 1/8/32/64 requests, HBM share at 1;" \
+  "command buffers both ways" | tee -a "$OUT/summary.txt"
+big_rc=0
+BIG_ARGS=(--model qwen3-0.6b --concurrency 1,8,32,64 --prompt-len 128 --gen-len 32)
+if [ "$DRY" -eq 1 ]; then
+  skipped "the 0.6B shapes at 1/8/32/64 requests: the micro preset at 1/2 requests instead"
+  BIG_ARGS=(--model qwen3-micro --concurrency 1,2 --prompt-len 8 --gen-len 2)
+fi
+for run in xla pallas $CMDBUF_RUN; do  # the random-weight checkpoint is built once under /tmp, not in $OUT
+  flags=${XLA_FLAGS:-}; [ "$run" = "$CMDBUF_RUN" ] && flags="$flags $CMDBUF_FLAGS"
+  echo "-- $run${flags:+ (XLA_FLAGS=$flags)}" | tee -a "$OUT/summary.txt"
+  XLA_FLAGS="$flags" capped 100 "$PY" benchmarks/bench_engine.py "${BIG_ARGS[@]}" --dtype bfloat16 \
+    --repeats 1 --no-checks --peers "" --attention "${run%_*cmdbuf}" \
+    --json "$OUT/engine_06b_$run.json" 2>&1 | tee "$OUT/engine_06b_$run.log"
+  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && big_rc=$rc
+  sed -n '/^peaks/,$p' "$OUT/engine_06b_$run.log" >> "$OUT/summary.txt"
+done
+
+echo "== engine per attention path: greedy tokens vs XLA, decode tok/s" | tee -a "$OUT/summary.txt"
+ENGINE_ARGS=(); [ "$DRY" -eq 1 ] && ENGINE_ARGS=(--max-tokens 4)  # on CPU every path falls back to XLA
+capped 120 "$PY" benchmarks/device_check_engine.py --json "$OUT/engine_attention.json" "${ENGINE_ARGS[@]}" 2>&1 \
+  | tee "$OUT/engine_attention.log"
+engine_rc=${PIPESTATUS[0]}
+sed -n '/^impl/,$p' "$OUT/engine_attention.log" >> "$OUT/summary.txt"
 
 echo "== kernel tests (GPU, not interpreted)" | tee -a "$OUT/summary.txt"
 [ "$DRY" -eq 1 ] && skipped "running the kernel tests compiled for the GPU: collected only"
 test_rc=0
 : > "$OUT/kernel_tests.log"
 if [ "$has_pytest" -eq 1 ]; then
-  timeout 150 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -o addopts="" "${COLLECT[@]}" \
+  capped 120 "$PY" -m pytest tests/test_kernels.py -q -p no:cacheprovider -o addopts="" "${COLLECT[@]}" \
     --junitxml "$OUT/kernel_tests.xml" 2>&1 | tee "$OUT/kernel_tests.log"
   test_rc=${PIPESTATUS[0]}
 fi
@@ -66,7 +133,7 @@ if [ "$has_pytest" -eq 0 ] || [ "$DRY" -eq 1 ]; then
   # No pytest on this machine: run every test function with a stand-in for the few pytest APIs used. The dry run
   # builds its calls too (without running them), so a pytest API the stand-in lacks fails there.
   [ "$DRY" -eq 1 ] && skipped "the no-pytest runner's kernel test calls: built, not run"
-  DRY=$DRY timeout 180 "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/kernel_tests.log"
+  DRY=$DRY capped 150 "$PY" - <<'EOF' 2>&1 | tee -a "$OUT/kernel_tests.log"
 import contextlib, inspect, os, sys, traceback, types
 import jax, jaxlib, numpy, pallas_kernels  # before the stand-in: libraries probe for a real pytest
 from jax.experimental.pallas.ops.gpu import decode_attention  # noqa: F401
@@ -133,42 +200,13 @@ if [ "$DRY" -eq 0 ] && ! "$PY" -c "import jax_triton" 2>/dev/null; then
   triton_rc=0
 else
   [ "$DRY" -eq 1 ] && skipped "the Triton kernels launched through jax-triton: collected only"
-  timeout 150 "$PY" -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider -o addopts="" -k numerics \
+  capped 90 "$PY" -m pytest tests/test_triton_kernels.py -q -p no:cacheprovider -o addopts="" -k numerics \
     "${COLLECT[@]}" --junitxml "$OUT/triton_tests.xml" 2>&1 | tee "$OUT/triton_tests.log"
   triton_rc=${PIPESTATUS[0]}
 fi
 tail -n 3 "$OUT/triton_tests.log" >> "$OUT/summary.txt"
 
-echo "== kernel timings" | tee -a "$OUT/summary.txt"
-KERNEL_ARGS=(); [ "$DRY" -eq 1 ] && KERNEL_ARGS=(--smoke)  # every implementation once, interpreted, tiny
-timeout 120 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" "${KERNEL_ARGS[@]}" 2>&1 \
-  | tee "$OUT/kernels_bench.log"
-bench_rc=${PIPESTATUS[0]}
-sed -n '/^peak copy bandwidth/,$p' "$OUT/kernels_bench.log" >> "$OUT/summary.txt"
-
-echo "== engine per attention path: greedy tokens vs XLA, decode tok/s" | tee -a "$OUT/summary.txt"
-ENGINE_ARGS=(); [ "$DRY" -eq 1 ] && ENGINE_ARGS=(--max-tokens 4)  # on CPU every path falls back to XLA
-timeout 150 "$PY" benchmarks/device_check_engine.py --json "$OUT/engine_attention.json" "${ENGINE_ARGS[@]}" 2>&1 \
-  | tee "$OUT/engine_attention.log"
-engine_rc=${PIPESTATUS[0]}
-sed -n '/^impl/,$p' "$OUT/engine_attention.log" >> "$OUT/summary.txt"
-
-echo "== engine decode at Qwen3-0.6B shapes, bfloat16: tok/s at 1/8/32/64 requests, HBM share at 1" \
-  | tee -a "$OUT/summary.txt"
-big_rc=0
-BIG_ARGS=(--model qwen3-0.6b --concurrency 1,8,32,64 --prompt-len 128 --gen-len 32)
-if [ "$DRY" -eq 1 ]; then
-  skipped "the 0.6B shapes at 1/8/32/64 requests: the micro preset at 1/2 requests instead"
-  BIG_ARGS=(--model qwen3-micro --concurrency 1,2 --prompt-len 8 --gen-len 2)
-fi
-for impl in xla pallas; do  # the random-weight checkpoint is built once under /tmp, not in $OUT
-  timeout 120 "$PY" benchmarks/bench_engine.py "${BIG_ARGS[@]}" --dtype bfloat16 \
-    --repeats 1 --no-checks --peers "" --attention "$impl" \
-    --json "$OUT/engine_06b_$impl.json" 2>&1 | tee "$OUT/engine_06b_$impl.log"
-  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && big_rc=$rc
-  sed -n '/^peaks/,$p' "$OUT/engine_06b_$impl.log" >> "$OUT/summary.txt"
-done
-
+echo "($SECONDS s of the ${BUDGET} s budget)" | tee -a "$OUT/summary.txt"
 echo "env rc=$env_rc tests rc=$test_rc triton rc=$triton_rc bench rc=$bench_rc engine rc=$engine_rc" \
   "0.6b rc=$big_rc" | tee -a "$OUT/summary.txt"
 [ "$env_rc" -eq 0 ] && [ "$test_rc" -eq 0 ] && [ "$triton_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ] \

@@ -1,4 +1,6 @@
-"""Time the Pallas attention kernels against the XLA reference and JAX's own GQA decode kernel.
+"""Time the Pallas attention kernels against the XLA reference, JAX's own GQA decode kernel and cuDNN's attention
+(`jax.nn.dot_product_attention(implementation="cudnn")`, the baseline a GPU user would compare with; traced only,
+not run, off the GPU).
 
 Decode is memory-bound, so it reports the K/V bytes it must read over time as achieved bandwidth,
 next to the device's measured copy bandwidth. Prefill is compute-bound, so it reports causal
@@ -70,11 +72,41 @@ def _decode_impls(interpret: bool, kv_heads: int, t: int):
 
     pallas = functools.partial(decode_attention, interpret=interpret)
     return {"pallas": (jax.jit(pallas), False), "xla": (jax.jit(reference.decode_attention), False),
-            "jax_gqa": (jax.jit(jax_gqa), True),
+            "jax_gqa": (jax.jit(jax_gqa), True), "cudnn": (jax.jit(cudnn_decode), True),
             # the same over an int8 cache + float32 per-token, per-head scales (Engine(kv_dtype="int8"))
             "pallas_int8": (jax.jit(lambda q, k, v, n, ks, vs: pallas(q, k, v, n, k_scale=ks, v_scale=vs)), False),
             "xla_int8": (jax.jit(lambda q, k, v, n, ks, vs: reference.decode_attention(q, k, v, n, k_scale=ks,
                                                                                       v_scale=vs)), False)}
+
+
+def cudnn_decode(q, k_t, v_t, lengths, implementation="cudnn"):
+    """cuDNN's fused attention (what a GPU user would compare with) on one query token per sequence: q [S, N, D],
+    k/v [S, T, K, D] (its layout, made outside the timed call), the valid keys per sequence in `lengths`."""
+    out = jax.nn.dot_product_attention(q[:, None], k_t, v_t, key_value_seq_lengths=lengths,
+                                       implementation=implementation)
+    return out[:, 0]
+
+
+def cudnn_prefill(q, k, v, starts, q_lengths, implementation="cudnn"):
+    """cuDNN's causal attention over one prompt: q [1, T, N, D], k/v [1, K, T, D] -> its [1, T, K, D] layout (the
+    transpose is inside the timed call here: XLA fuses it into the producer in a real model, not in this probe)."""
+    k_t, v_t = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+    return jax.nn.dot_product_attention(q, k_t, v_t, is_causal=True, implementation=implementation)
+
+
+# GPU-only implementations (no interpreter) -> the same call on JAX's XLA path, traced off the GPU instead: the
+# arguments and shapes are checked there (an API change fails the dry run), the row says it did not run
+GPU_ONLY = {"cudnn": {"decode": functools.partial(cudnn_decode, implementation="xla"),
+                      "prefill": functools.partial(cudnn_prefill, implementation="xla")}}
+
+
+def gpu_only_row(row: dict, args) -> dict:
+    """A GPU-only implementation off the GPU: its XLA twin traced (jax.eval_shape) at these shapes, not run."""
+    try:
+        jax.eval_shape(GPU_ONLY[row["impl"]][row["kind"]], *args)
+        return row | dict(interpret=False, skipped="needs a GPU (traced here, not run)")
+    except Exception as e:  # noqa: BLE001 - the row says what broke
+        return row | dict(interpret=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
 
 
 def bench_decode(s, t, q_heads, kv_heads, d, dtype, impls, interpret, repeats, peak_bw):
@@ -93,6 +125,9 @@ def bench_decode(s, t, q_heads, kv_heads, d, dtype, impls, interpret, repeats, p
             args, extra = (q, kq, vq), (ks, vs)
         kv_bytes = sum(a.size * a.dtype.itemsize for a in args[1:] + extra)
         row = dict(kind="decode", impl=name, slots=s, seq=t, interpret=interpret and not name.startswith("xla"))
+        if interpret and name in GPU_ONLY:
+            rows.append(gpu_only_row(row, (*args, lengths, *extra)))
+            continue
         try:
             sec = _time(fn, *args, lengths, *extra, repeats=repeats)
             row.update(ms=sec * 1e3, gbps=kv_bytes / sec / 1e9, pct_peak=100 * kv_bytes / sec / peak_bw)
@@ -110,12 +145,15 @@ def bench_prefill(tq, q_heads, kv_heads, d, dtype, impls, interpret, repeats, pe
     starts, q_lengths = jnp.zeros((1,), jnp.int32), jnp.full((1,), tq, jnp.int32)
     flops = 4 * q_heads * d * tq * (tq + 1) / 2  # QK^T and PV over the causal half
     fns = {"pallas": jax.jit(functools.partial(prefill_attention, interpret=interpret)),
-           "xla": jax.jit(reference.prefill_attention)}
+           "xla": jax.jit(reference.prefill_attention), "cudnn": jax.jit(cudnn_prefill)}
     rows = []
     for name, fn in fns.items():
         if name not in impls:
             continue
         row = dict(kind="prefill", impl=name, slots=1, seq=tq, interpret=interpret and name != "xla")
+        if interpret and name in GPU_ONLY:
+            rows.append(gpu_only_row(row, (q, k, v, starts, q_lengths)))
+            continue
         try:
             sec = _time(fn, q, k, v, starts, q_lengths, repeats=repeats)
             row.update(ms=sec * 1e3, tflops=flops / sec / 1e12, pct_peak=100 * flops / sec / peak_flops)
@@ -130,7 +168,7 @@ def markdown(rows, peaks) -> str:
     def cells(r):
         def f(key, fmt):
             return format(r[key], fmt) if key in r else ""
-        note = r.get("error", "interpret mode: not a kernel timing" if r["interpret"] else "")
+        note = r.get("error") or r.get("skipped") or ("interpret mode: not a kernel timing" if r["interpret"] else "")
         return [r["kind"], r["impl"], r["slots"], r["seq"], f("ms", ".3f"), f("gbps", ".1f"), f("tflops", ".2f"),
                 f("pct_peak", ".1f"), note]
 
@@ -144,7 +182,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU, smoke runs)")
     parser.add_argument("--smoke", action="store_true", help="one tiny shape per kernel, once; fail on any error")
     parser.add_argument("--json", help="write results to this path")
-    parser.add_argument("--impls", default="pallas,xla,jax_gqa,pallas_int8,xla_int8")
+    parser.add_argument("--impls", default="pallas,xla,jax_gqa,cudnn,pallas_int8,xla_int8")
     parser.add_argument("--q-heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)

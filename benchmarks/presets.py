@@ -160,3 +160,44 @@ def write_gguf(folder: str | Path, out: str | Path, dtype: str = "float32") -> P
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+# GGUF encodings llama.cpp's own quantizer writes (llama_model_quantize), from the float32 GGUF: Q4_K_M is Ollama's and
+# LM Studio's default, Q4_0 the fastest 4-bit one.
+GGUF_QUANTIZED = {"q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+GGUF_TYPES = ("float32", "float16", "bfloat16", "q8_0", *GGUF_QUANTIZED)
+
+
+def quantize_gguf(src: str | Path, out: str | Path, kind: str, threads: int = 0) -> Path:
+    """Quantize GGUF `src` to `kind` (a key of GGUF_QUANTIZED) with llama-cpp-python's `llama_model_quantize`, as
+    llama-quantize does (no importance matrix)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, GGUF_QUANTIZED[kind])
+    params.nthread = threads
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(out).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src} -> {kind}) returned {rc}")
+    return Path(out)
+
+
+def gguf_file(folder: str | Path, kind: str, path: str | Path | None = None,
+              out_dir: str | Path | None = None) -> Path:
+    """`path`, else <out_dir or folder>/model-<kind>.gguf, written on first use: float and q8_0 by write_gguf,
+    Q4_0 / Q4_K_M by llama.cpp's quantizer from the float32 GGUF (itself written first when missing). Written under
+    a temporary name and renamed, so a crash mid-way leaves no truncated file to be picked up next time."""
+    if kind not in GGUF_TYPES:
+        raise ValueError(f"GGUF type {kind!r}: one of {', '.join(GGUF_TYPES)}")
+    folder, out_dir = Path(folder), Path(out_dir or folder)
+    out = Path(path) if path else out_dir / f"model-{kind}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    if kind in GGUF_QUANTIZED:
+        quantize_gguf(gguf_file(folder, "float32", out_dir=out_dir), partial, kind)
+    else:
+        write_gguf(folder, partial, kind)
+    partial.replace(out)
+    return out

@@ -45,7 +45,6 @@ from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import RequestStatus  # noqa: E402
 from pocketjax.engine.plan import decode_at  # noqa: E402
 from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
-from pocketjax.engine.steps import decode_step, sample_step  # noqa: E402
 from pocketjax.serve.scheduler import Scheduler  # noqa: E402
 
 # A bigger sibling of the tests' tiny Qwen3 so the device step, not Python, dominates a step (it still runs on CPU).
@@ -145,16 +144,14 @@ def device_step_s(scratch: Engine, positions: list[int], steps: int) -> float:
     len(positions) rows, `steps` times back to back, each fed the previous step's tokens on device, one block at the
     end. Rows start at `positions` (where the measured loop's requests are), so attention reads the same lengths.
     `scratch` is an engine of the same configuration whose cache may be overwritten (same compiled executables)."""
-    model, n = scratch.model, len(positions)
+    n = len(positions)
     zeros = jnp.zeros(n, jnp.int32)  # rows 0..n-1 continue from `positions`: the slots' state feeds each step
-    scratch.slot_state = scratch.slot_state.advance(jnp.arange(n), zeros + 1, jnp.asarray(positions, jnp.int32), zeros)
+    device = scratch.device
+    device.state = device.state.advance(jnp.arange(n), zeros + 1, jnp.asarray(positions, jnp.int32), zeros)
 
     def step(k: int):  # the plan the engine builds for these rows, k positions on
         plan, sample = decode_at(scratch.rules, [p + k for p in positions])
-        scratch.cache, logits = decode_step(model.params, scratch.cache, scratch.slot_state, plan,
-                                            config=model.config, impl=scratch.impl)
-        scratch.slot_state, out = sample_step(scratch.slot_state, logits, sample)
-        return out.tokens
+        return device.run("sample_next", device.run("decode", plan), sample).tokens
 
     jax.block_until_ready(step(0)), jax.block_until_ready(step(1))  # warm
     t0 = time.perf_counter()

@@ -3,12 +3,15 @@ benchmarks/common.py, what the scripts share."""
 import argparse
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
 from types import SimpleNamespace
 
 from benchmarks import bench_engine, common, roofline
+from benchmarks.peers import launch
 from benchmarks.presets import gguf_tensor_name, preset_config
 from pocketjax.model.checkpoint import expected_shapes
 from pocketjax.model.config import DTYPES, ModelConfig
@@ -26,9 +29,12 @@ PEERS = ["transformers"] if importlib.util.find_spec("torch") and importlib.util
 def test_run_benchmark_writes_records_json_plot_and_table_last(tmp_path, capsys):
     # One concurrency: each one costs ~4 XLA compiles (~15 s on 2 busy cores), whatever the model's size.
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    # vLLM under an interpreter that fails at once: its row says why, every other row stays
+    crashing = fake_interpreter(tmp_path, "echo 'vllm: cannot start here' >&2; exit 3")
     result = bench_engine.run_benchmark(quick=True, model="qwen3-micro", cache_dir=str(tmp_path / "models"),
                                         concurrency="1", prompt_len=8, gen_len=3, repeats=1,
-                                        peers=",".join(PEERS), json=str(out), plot=str(png))
+                                        peers=",".join(PEERS + ["vllm"]), vllm_python=str(crashing),
+                                        json=str(out), plot=str(png))
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     assert png.stat().st_size > 0
     machine = result["machine"]
@@ -37,8 +43,12 @@ def test_run_benchmark_writes_records_json_plot_and_table_last(tmp_path, capsys)
     kernels = machine["cpu_kernels"]  # the code paths of the native kernels this run measured (None: not built)
     assert kernels is None or set(kernels) == {"float32_weight", "bfloat16_weight"}
     assert machine["peaks"]["bandwidth_bytes_s"] > 0 and machine["peaks"]["matmul_flop_s"] > 0
-    records = result["records"]
+    records, (skipped,) = result["records"][:-1], result["records"][-1:]
+    assert skipped == {"system": "vllm", "dtype": "float32", "skipped": "exit code 3: vllm: cannot start here",
+                       "phase_read_bytes_s": skipped["phase_read_bytes_s"]}
     assert [(r["system"], r["concurrency"]) for r in records] == [("pocketjax", 1)] + [(p, 1) for p in PEERS]
+    for r in records[1:]:  # the peers' own processes measure their memory
+        assert r["peak_rss_mb"] > 0
     for r in records:
         assert RECORD_KEYS <= set(r), RECORD_KEYS - set(r)
         assert r["dtype"] == "float32" and r["prefill_tok_s"] > 0 and r["decode_tok_s"] > 0
@@ -47,8 +57,10 @@ def test_run_benchmark_writes_records_json_plot_and_table_last(tmp_path, capsys)
     assert CHECK_KEYS <= set(c1) and BREAKDOWN_KEYS <= set(c1)
     assert c1["minimal_loop_tokens_match"] is True  # greedy: the engine and the minimal loop agree
     lines = [line for line in capsys.readouterr().out.strip().splitlines()]
-    table = lines[-(len(records) + 2):]
+    table = lines[-(len(records) + 3):]
     assert table[0].startswith("| system |") and all(line.startswith("| ") for line in table[2:])
+    assert table[-1].startswith("| vllm | float32 | - | skipped: exit code 3: vllm: cannot start here |")
+    assert table[-1].count("|") == table[0].count("|")
 
 
 def test_cpu_features_lists_only_flags_the_cpu_reports():
@@ -68,8 +80,12 @@ def test_quick_fills_only_what_was_not_given():
     assert args.max_seq_len == 128
     assert bench_engine.resolve_args(peers="", prompt_len=200, gen_len=64).max_seq_len == 512
     assert bench_engine.resolve_args(peers="").peers == []
+    assert bench_engine.resolve_args(peers="vllm,llamacpp").peers == ["vllm", "llamacpp"]
     with pytest.raises(SystemExit):
-        bench_engine.resolve_args(peers="vllm")
+        bench_engine.resolve_args(peers="ollama")
+    with pytest.raises(SystemExit):
+        bench_engine.resolve_args(gguf_types="q3_k")
+    assert bench_engine.resolve_args(quantize="int4").gguf_types == ["float32", "q4_0", "q4_k_m"]
 
 
 def test_decode_bytes_count_every_weight_once_plus_each_sequences_kv():
@@ -149,3 +165,39 @@ def test_machine_record_json_file_and_markdown_table(tmp_path):
     with pytest.raises(SystemExit, match="neither a preset"):
         common.model_folder(str(tmp_path / "nothing-here"))
 
+
+
+def fake_interpreter(folder, body: str):
+    """An executable standing in for a peer's python: it gets `-m MODULE --json-in SPEC --json-out OUT` ($6 = OUT)."""
+    path = folder / "fake-python"
+    path.write_text("#!/bin/sh\n" + body + "\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_a_crashing_or_hanging_peer_leaves_a_skipped_row_and_keeps_its_rows(tmp_path):
+    spec = {"checkpoint": str(tmp_path), "dtype": "float32", "kind": "q4_0", "concurrency": [1, 2]}
+    row = {"system": "llamacpp", "dtype": "float32", "quantize": "q4_0", "concurrency": 1, "prefill_tok_s": 9.0,
+           "decode_tok_s": 2.0}
+    segfault = fake_interpreter(tmp_path, f"echo '{json.dumps({'records': [row]})}' > $6; "
+                                          "echo 'ggml_repack: AMX' >&2; kill -SEGV $$")
+    rows = launch.run_peer(str(segfault), "llamacpp", spec, timeout=30)
+    assert rows == [row, {"system": "llamacpp", "dtype": "q4_0", "skipped": "killed by SIGSEGV: ggml_repack: AMX"}]
+    hang = fake_interpreter(tmp_path, "sleep 30 & wait")  # a child of its own: the whole group is ended
+    assert launch.run_peer(str(hang), "vllm", spec, timeout=0.5)[-1]["skipped"] == "timed out after 0.5 s"
+    missing = launch.run_peer(str(tmp_path / "no-such-python"), "vllm", spec, timeout=30)
+    assert missing[0]["skipped"].startswith("could not start")
+    table = bench_engine.markdown_table(rows + missing)
+    assert "| llamacpp | q4_0 | - | skipped: killed by SIGSEGV: ggml_repack: AMX |" in table
+
+
+def test_each_gguf_type_is_its_own_peer_process_and_peers_import_no_jax(tmp_path):
+    args = bench_engine.resolve_args(peers="llamacpp,vllm", gguf_types="float32,q4_k_m", threads=3)
+    specs = bench_engine.peer_specs("llamacpp", tmp_path, args)
+    assert [s["kind"] for s in specs] == ["float32", "q4_k_m"] and {s["threads"] for s in specs} == {3}
+    assert bench_engine.peer_specs("vllm", tmp_path, args)[0]["kind"] == "float32"
+    # vLLM's venv has neither jax nor pocketjax: the peers' modules import neither
+    code = ("import sys, benchmarks.peers.launch, benchmarks.peers.vllm_peer, benchmarks.peers.llamacpp_peer, "
+            "benchmarks.peers.transformers_peer, benchmarks.peers.vllm_server; "
+            "assert not {'jax', 'pocketjax', 'torch'} & set(sys.modules), sys.modules.keys()")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=launch.ROOT)

@@ -7,11 +7,13 @@ import threading
 from collections import deque
 from dataclasses import asdict
 
+import jax
+import numpy as np
 import pytest
 
 from pocketjax.engine.request import BatchedRequest
 from pocketjax.engine.sampling_params import SamplingParams
-from pocketjax.errors import DistributedError, RequestError, SamplingError, StoppedError
+from pocketjax.errors import ConfigError, DistributedError, RequestError, SamplingError, StoppedError
 from pocketjax.serve.distributed import ProcessGroup
 from pocketjax.serve.handle import RequestHandle
 from pocketjax.serve.lockstep import Local, Lockstep, protocol
@@ -128,3 +130,68 @@ def test_follower_matches_its_submits_to_process_0s_requests_in_order():
     assert stopped == [True] and lockstep.left
     with lock:
         assert lockstep.idle(lock, lambda: False, lambda: False) is False  # process 0's stop ends its loop
+
+
+def test_update_params_are_numbered_by_process_0_and_each_process_applies_its_own():
+    """Process 0 sends its update_params calls with the step's news; a follower queues its own call of each number
+    at that step (waiting for one not made yet), under process 0's finish_running; one that does not come within
+    update_wait_s, or a number out of order, is DistributedError."""
+    leader, _, _ = make(ScriptedGroup(0))
+    lock, updates = threading.Condition(), deque()
+    ours = ("params of process 0", True, threading.Event())
+    leader.update(ours, updates)
+    leader.announced(updates)
+    assert not updates  # nothing before the broadcast
+    leader.sync(lock, stop=lambda: None)
+    assert leader.group.sent == [{"update": [[1, True]]}]
+    leader.announced(updates)
+    assert list(updates) == [ours]
+
+    script = [{"update": [[1, True]]}, {"update": [[2, False]]}, {"update": [[3, False]]}, {"update": [[9, False]]}]
+    follower, _, _ = make(ScriptedGroup(1, script))
+    follower.update_wait_s = 30
+    updates, first, late = deque(), threading.Event(), threading.Event()
+    follower.update(("first of process 1", False, first), updates)
+    assert not updates  # kept for process 0's call of the same number
+    follower.sync(lock, stop=lambda: None)
+    follower.announced(updates)
+    assert list(updates) == [("first of process 1", True, first)]  # process 0's finish_running holds
+
+    def call_late():
+        with lock:
+            follower.update(("second of process 1", False, late), updates)
+            lock.notify_all()  # what Scheduler.update_params does
+
+    threading.Timer(0.2, call_late).start()
+    follower.sync(lock, stop=lambda: None)  # waits for this process's second call
+    follower.announced(updates)
+    assert list(updates)[-1] == ("second of process 1", False, late)
+    follower.update_wait_s = 0.05
+    with pytest.raises(DistributedError, match="did not come within"):
+        follower.sync(lock, stop=lambda: None)
+    with pytest.raises(DistributedError, match="out of step"):
+        follower.sync(lock, stop=lambda: None)
+
+
+def test_update_params_in_a_job_take_only_leaves_on_the_engine_sharding():
+    """Placing any other leaf would run collectives on the caller's thread, beside the serving loop's: a ConfigError
+    naming it, before anything is placed. One process places anything."""
+    params = {"w": jax.numpy.ones((2, 2))}
+    lockstep, _, _ = make(ScriptedGroup(1))
+    lockstep.check_params(params, {"w": jax.numpy.zeros((2, 2))})  # the same sharding: served as it is
+    with pytest.raises(ConfigError, match=r"params\['w'\] is not a jax.Array on the engine's sharding"):
+        lockstep.check_params(params, {"w": np.zeros((2, 2), np.float32)})
+    make(None)[0].check_params(params, {"w": np.zeros((2, 2), np.float32)})
+
+
+def test_a_caller_waiting_for_its_update_hears_why_it_will_not_come():
+    """A job's loop can end under a waiting update_params caller (a peer died): the wait raises its error."""
+    local = make(None)[0]
+    applied = threading.Event()
+    gone = DistributedError("process 1 lost contact")
+    with pytest.raises(DistributedError, match="lost contact"):
+        local.await_update(applied, lambda: gone, timeout=None)
+    with pytest.raises(TimeoutError):
+        local.await_update(applied, lambda: None, timeout=0.05)
+    applied.set()
+    local.await_update(applied, lambda: gone, timeout=None)  # in use: the later end does not matter

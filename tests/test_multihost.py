@@ -84,7 +84,8 @@ def reference(hf_checkpoint) -> dict:
 def test_two_processes_match_one(tp, dp, hf_checkpoint, reference, compile_cache, tmp_path):
     """tp=2 split over the two processes, and dp=2 replicas one per process (one CPU device each): every process
     returns the greedy tokens, logprobs and logits of one process, and a request that process 0 cancels ends
-    "cancelled" on both, after the same tokens."""
+    "cancelled" on both, after the same tokens. New weights (`update_params` on every process) are served from
+    the same step everywhere: what follows answers as a fresh LLM on them in the same job."""
     out = tmp_path / "out.json"
     codes, errs, _ = finish(start_job("generate", hf_checkpoint(CHECKPOINT), out, tp=tp, dp=dp, devices=1,
                                       cache=compile_cache))
@@ -99,8 +100,19 @@ def test_two_processes_match_one(tp, dp, hf_checkpoint, reference, compile_cache
         assert r["cancelled"]["finish_reason"] == "cancelled"
         assert 3 <= len(r["cancelled"]["tokens"]) < 200
         assert r["exchanges"] > 0  # the followers really followed process 0's broadcasts
-    assert results[0]["cancelled"] == results[1]["cancelled"]
-    assert results[0]["exchanges"] == results[1]["exchanges"]
+        assert_updates_served(r, reference["tokens"])
+    for key in ("cancelled", "exchanges", "after_update", "same_step", "finished_running", "held", "fresh"):
+        assert results[0][key] == results[1][key], key
+
+
+def assert_updates_served(r: dict, loaded: list[list[int]]) -> None:
+    """One process's view of the worker's updates (multihost_worker.updated_by_hand): `loaded` are the greedy tokens
+    of the loaded weights, r["fresh"] those of a fresh LLM on the new ones."""
+    assert r["fresh"] != loaded  # the new weights answer differently: every check below can fail
+    assert r["after_update"] == r["fresh"]  # LLM.update_params, process 1 calling it late
+    assert r["same_step"] == loaded  # the update back, broadcast in the same step as these requests
+    assert r["finished_running"] == loaded[0]  # finish_running: it ended on the old weights...
+    assert r["held"] == r["fresh"]  # ...and the requests queued meanwhile waited for the new ones
 
 
 def test_dead_follower_fails_the_leader_fast(hf_checkpoint, compile_cache, tmp_path):

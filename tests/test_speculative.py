@@ -2,6 +2,7 @@
 the same distribution when unseeded (chi-square, with a wrong acceptance rule that must fail it), the drafter
 against a brute-force search, the scheduler and LLM paths, warm-up."""
 import argparse
+import dataclasses
 from collections import Counter
 
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 from scipy.stats import chi2_contingency
 
 import pocketjax as pj
-from pocketjax.engine import engine as engine_module
+from pocketjax.engine import runner
 from pocketjax.engine.config import EngineConfig, SpeculativeConfig
 from pocketjax.engine.engine import Engine
 from pocketjax.engine.request import BatchedRequest
@@ -334,7 +335,8 @@ def test_the_chi_square_test_fails_an_acceptance_rule_that_accepts_every_draft(e
     """The wrong rule (every draft accepted, as if p(t) were 1) must fail the very test above."""
     _, spec = engines
     prompt, draft, sp, want = sampled
-    original = engine_module.verify_sample_step
+    kind = runner.STEP_KINDS["sample_verify"]
+    original = kind.function
 
     def accept_all(penalties, logits, plan):
         penalties, out, _ = original(penalties, logits, plan)
@@ -343,7 +345,7 @@ def test_the_chi_square_test_fails_an_acceptance_rule_that_accepts_every_draft(e
                                                     out.tokens[:, :k]))
         return penalties, type(out)(tokens, out.logprobs, out.top_ids, out.top_logprobs), jnp.asarray(plan.num_drafts)
 
-    monkeypatch.setattr(engine_module, "verify_sample_step", accept_all)
+    monkeypatch.setitem(runner.STEP_KINDS, "sample_verify", dataclasses.replace(kind, function=accept_all))
     assert chi_square_p(want, first_tokens(spec, prompt, draft, 3, sp, 800)) < 1e-6
 
 
@@ -443,10 +445,11 @@ def test_scheduler_times_each_step_as_the_device_ran_it(model, monkeypatch):
     device went idle for it to when its tokens were read. Here reading a step is where the host waits for the device
     (a fake clock: 1 s per plain step, 5 s per verify): charging each call's interval to the step it queued, as the
     clock once did, reads a verify's 5 s into the call after it, and the ratio the cost rule uses comes out wrong."""
+    from pocketjax.engine import decode_policy
     from pocketjax.serve import scheduler as scheduler_module
 
     fake = argparse.Namespace(now=0.0)
-    monkeypatch.setattr(scheduler_module, "time", argparse.Namespace(perf_counter=lambda: fake.now))
+    monkeypatch.setattr(decode_policy, "time", argparse.Namespace(perf_counter=lambda: fake.now))
     engine = Engine(model, **SIZES, speculative=SPEC)
     engine.speculator.pays = lambda *_: True  # verify whenever a draft exists
     for name, cost in (("decode_collect", 1.0), ("verify_collect", 5.0)):

@@ -5,7 +5,7 @@ import pytest
 
 import pocketjax as pj
 from pocketjax.engine.request import BatchedRequest
-from pocketjax.engine.steps import STEP_FUNCTIONS
+from pocketjax.engine.runner import STEP_FUNCTIONS
 from pocketjax.engine.plan import Signature, signatures
 
 from test_engine import run

@@ -9,7 +9,7 @@ device (`steps.SlotState`), so any requests can share a step queued behind steps
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..errors import CapacityError, ConfigError, RequestError, SamplingError, StructuredOutputError
+from ..errors import CapacityError, ConfigError, RequestError
 from ..model.config import read_generation_eos
 from ..model.decoder import Hook, Model
 from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
@@ -25,74 +25,19 @@ from ..model.layers import resolve_impl
 from ..model.memory import check_fits, plan_memory
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
-from .plan import (SAMPLERS, DecodePlan, SamplePlan, Signature, StepRules, VerifyPlan, VerifySamplePlan,
-                   decode_plans, empty_plan, prefill_plans, scored_positions, verify_plans)
-from .request import BatchedRequest, RequestStatus
+from .pending import PendingDecode, PendingVerify
+from .plan import SamplePlan, Signature, StepRules, decode_plans, prefill_plans, scored_positions
+from .request import BatchedRequest, RequestStatus, batch
 from .sampling import SampleOutput
-from .sampling_params import SamplingParams
 from .slots import SlotTable
-from .speculative import Speculator, drafts_nothing
+from .speculative import Speculator
 from .processors import limits_of
 from .structured import Constrainer
-from .steps import (SlotState, copy_slot_prefix, decode_step, prefill_step, sample_step, verify_sample_step,
-                    verify_step)
-from .warmup import compiled_count, warmup as warm_up
+from .runner import Device, compiled_count
+from .steps import SlotState
+from .validation import check_request
+from .verifying import SpeculativeSteps
 from .weights import placed
-
-
-@dataclass(eq=False)
-class PendingDecode:
-    """A dispatched decode step whose sampled tokens stay on device until `Engine.decode_collect` reads them.
-
-    Its tokens also wait in the slots' state (`steps.SlotState`), so a next step can be queued before they reach the
-    host, for any requests.
-    """
-
-    requests: list[BatchedRequest]  # as given to decode_dispatch: the order of decode_collect's result
-    rows: list[BatchedRequest | None]  # row i's request; None: padding, or a request left out of this step
-    plan: DecodePlan  # the forward step's inputs
-    sample: SamplePlan  # the sampler's
-    out: SampleOutput | None = None  # None when no row was active (nothing was dispatched) or once collected
-    previous: PendingDecode | PendingVerify | None = None  # the step dispatched before this one, until this one
-    # is collected (steps are collected in the order they were dispatched)
-    results: list[int | None] | None = None  # set by decode_collect
-    # Structured outputs: a step fed on device whose rows include constrained ones queues its forward pass only;
-    # its logits wait here for the masks, which need the previous step's tokens, and `decode_collect` of that step
-    # queues the sampler (`following` links it to this one until then).
-    logits: Any = None
-    following: PendingDecode | None = None
-
-    @property
-    def collected(self) -> bool:
-        return self.results is not None
-
-
-@dataclass(eq=False)
-class PendingVerify:
-    """A dispatched speculative verify step (`Engine.verify_dispatch`), read by `Engine.verify_collect`."""
-
-    requests: list[BatchedRequest]  # as given to verify_dispatch: the order of verify_collect's result
-    rows: list[BatchedRequest | None]
-    plan: VerifyPlan
-    sample: VerifySamplePlan
-    out: SampleOutput | None = None  # [rows, width] per field; None once collected
-    accepted: Any = None  # int32 [rows] on device: drafts each row accepted
-    results: list[list[int] | None] | None = None  # set by verify_collect
-    following: PendingDecode | None = None  # as PendingDecode.following
-
-    @property
-    def collected(self) -> bool:
-        return self.results is not None
-
-
-def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
-    """`requests`, once checked to be a sequence of BatchedRequest (RequestError naming what it got otherwise)."""
-    if not isinstance(requests, Sequence) or isinstance(requests, str):
-        raise RequestError(f"requests must be a list of BatchedRequest, got {type(requests).__name__}")
-    bad = [r for r in requests if not isinstance(r, BatchedRequest)]
-    if bad:
-        raise RequestError(f"requests must be BatchedRequest objects, got {type(bad[0]).__name__}")
-    return requests
 
 
 def logprob_entry(out: SampleOutput, index: int | tuple[int, ...], n: int) -> tuple[float, dict[int, float]]:
@@ -110,7 +55,7 @@ def read_eos_ids(model: Model) -> frozenset[int]:
     return frozenset(ids)
 
 
-class Engine:
+class Engine(SpeculativeSteps):
     """Slots + jitted batch prefill / decode over one model.
 
     Options are EngineConfig's fields (max_batch_size, max_seq_len, prefill_chunk, attention_impl, kv_dtype, ...),
@@ -129,8 +74,7 @@ class Engine:
                                  batch_invariant=self.config.batch_invariant)
         self.eos_ids = read_eos_ids(model)
         self.rng = np.random.default_rng(seed)
-        self.cache: KVCache | None = None
-        self.slot_state: SlotState | None = None  # each slot's next decode input and penalty state, on device
+        self.device = Device(model.params, model.config, self.impl, model.dtype)  # weights, cache, slot state
         self.slots = SlotTable(0)
         self.requests: dict[Any, BatchedRequest] = {}  # request_id -> the request prefilled in its slot
         # hooks whose output shape was checked (`_check_hook`); held as the step functions' compile caches hold them
@@ -159,6 +103,16 @@ class Engine:
         return len(self.slots.free)
 
     @property
+    def cache(self) -> KVCache | None:
+        """The KV cache (read-only here: only `self.device` calls the steps that donate it)."""
+        return self.device.cache
+
+    @property
+    def slot_state(self) -> SlotState | None:
+        """Each slot's next decode input and penalty state, on device (read-only, as `cache`)."""
+        return self.device.state
+
+    @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
@@ -177,7 +131,8 @@ class Engine:
         if self.slots.owner:
             raise CapacityError(f"cannot reallocate slots while {len(self.slots.owner)} are held")
         c, mesh = self.model.config, self.model.mesh
-        self.cache = self.slot_state = None  # drop the old cache before allocating the new one
+        device = self.device
+        device.cache = device.state = None  # drop the old cache before allocating the new one
         kv_dtype = self.config.kv_dtype or default_kv_dtype(self.model.dtype)
         shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, kv_dtype)
         plan = plan_memory(c, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=jnp.dtype(self.model.dtype).name,
@@ -187,12 +142,12 @@ class Engine:
                    "use fewer slots (max_batch_size), a shorter max_seq_len, kv_dtype='int8', or tp=2")
         stacked = self.model.scan_layers  # the cache's layer layout follows the model's (decoder.layer_stack)
         if mesh is not None:  # created in its shards: the whole cache may not fit on one device
-            self.cache = init_sharded_cache(mesh, *shape, stacked=stacked)
+            device.cache = init_sharded_cache(mesh, *shape, stacked=stacked)
         else:
-            self.cache = init_cache(*shape, stacked=stacked)
-        self.slot_state = SlotState.zeros(n, c.vocab_size)
+            device.cache = init_cache(*shape, stacked=stacked)
+        device.state = SlotState.zeros(n, c.vocab_size)
         if mesh is not None:  # replicated over the mesh, as the sampler returns it: one compile, not two
-            self.slot_state = jax.device_put(self.slot_state, NamedSharding(mesh, PartitionSpec()))
+            device.state = jax.device_put(device.state, NamedSharding(mesh, PartitionSpec()))
         self.slots = SlotTable(n)
 
     def allocate_slot(self, request: BatchedRequest | Any) -> int:
@@ -214,8 +169,7 @@ class Engine:
         alloc = self.slots.allocate(request_id, list(req.prompt_tokens) if reuse else None,
                                     req.sampling.hook if req is not None else None)
         if alloc.donor is not None:
-            self.cache = copy_slot_prefix(self.cache, np.int32(alloc.donor), np.int32(alloc.slot),
-                                          np.int32(alloc.cached))
+            self.device.run("copy_prefix", np.int32(alloc.donor), np.int32(alloc.slot), np.int32(alloc.cached))
         if req is not None:
             req.slot_id, req.cached_prefix_len, req.num_prefilled = alloc.slot, alloc.cached, alloc.cached
             req.status = RequestStatus.PREFILLING
@@ -234,64 +188,8 @@ class Engine:
 
     # ---- validation ----------------------------------------------------------------------------------------------
     def validate(self, req: BatchedRequest) -> None:
-        """Raise RequestError/SamplingError for a request this engine cannot run."""
-        prompt = req.prompt_tokens
-        if not isinstance(prompt, (Sequence, np.ndarray)) or isinstance(prompt, (str, bytes)):
-            raise RequestError(f"request {req.request_id!r}: prompt_tokens must be a list of token ids, got "
-                               f"{type(prompt).__name__} (encode text first: LLM does, or Tokenizer.encode)")
-        if len(prompt) == 0:
-            raise RequestError(f"request {req.request_id!r}: empty prompt")
-        if len(prompt) >= self.max_seq_len:
-            raise RequestError(f"request {req.request_id!r}: prompt of {len(prompt)} tokens does not fit "
-                               f"max_seq_len={self.max_seq_len} (one position is needed to generate)")
-        vocab = self.model.config.vocab_size
-        for t in prompt:
-            if not isinstance(t, (int, np.integer)) or isinstance(t, bool):
-                raise RequestError(f"request {req.request_id!r}: non-integer token id {t!r}")
-            if not 0 <= t < vocab:
-                raise RequestError(f"request {req.request_id!r}: token id {t!r} outside the vocabulary [0, {vocab})")
-        if not isinstance(req.sampling, SamplingParams):
-            raise RequestError(f"request {req.request_id!r}: sampling must be a SamplingParams")
-        req.sampling.validate(vocab)
-        if req.sampling.bad_words and self.constrainer is None:
-            raise SamplingError(f"request {req.request_id!r}: SamplingParams.bad_words needs an engine with a "
-                                f"tokenizer (Engine(model, tokenizer=...); LLM passes its own)")
-        self._check_hook(req)
-        self._check_structured(req)
-
-    def _check_structured(self, req: BatchedRequest) -> None:
-        """Compile a request's constraint (cached per constraint): StructuredOutputError if it does not compile or
-        this engine has no tokenizer, so it fails its own request at submit instead of a batch."""
-        if req.sampling.structured is None:
-            return
-        if self.constrainer is None:
-            raise StructuredOutputError(f"request {req.request_id!r}: structured outputs need an engine with a "
-                                        f"tokenizer (Engine(model, tokenizer=...); LLM passes its own)")
-        self.constrainer.compile(req.sampling.structured)
-
-    def _check_hook(self, req: BatchedRequest) -> None:
-        """Trace a request's hook once (`jax.eval_shape`, no compile) on a [2, 3, hidden] stream, with the layer index
-        as the model's layout passes it; SamplingError if it raises or changes the shape or dtype, so a bad hook
-        fails its own request here instead of the batch it would join."""
-        hook = req.sampling.hook
-        if hook is None or hook in self.checked_hooks:
-            return
-        c = self.model.config
-        x = jax.ShapeDtypeStruct((2, 3, c.hidden_size), self.model.dtype)
-        try:
-            if self.model.scan_layers:
-                outs = [jax.eval_shape(hook, jax.ShapeDtypeStruct((), jnp.int32), x)]
-            else:
-                outs = jax.eval_shape(lambda h: [hook(i, h) for i in range(c.num_layers)], x)
-        except Exception as error:  # noqa: BLE001 - whatever a user's function raises belongs to its request
-            raise SamplingError(f"request {req.request_id!r}: SamplingParams.hook raised {type(error).__name__} "
-                                f"when traced on hidden {x.shape} {x.dtype}: {error}") from error
-        for out in outs:
-            if getattr(out, "shape", None) != x.shape or getattr(out, "dtype", None) != x.dtype:
-                got = f"{out.shape} {out.dtype}" if hasattr(out, "shape") else type(out).__name__
-                raise SamplingError(f"request {req.request_id!r}: SamplingParams.hook must return the hidden states' "
-                                    f"shape and dtype {x.shape} {x.dtype}, got {got}")
-        self.checked_hooks.add(hook)
+        """Raise RequestError/SamplingError for a request this engine cannot run (`validation.check_request`)."""
+        check_request(req, self.model, self.max_seq_len, self.constrainer, self.checked_hooks)
 
     def _slot(self, req: BatchedRequest) -> int:
         """The slot req holds (registering req as its holder when it was allocated by id)."""
@@ -357,13 +255,12 @@ class Engine:
         if first is not None:  # the first token's masks: each constrained matcher's start state
             ending = [r if first.rows_on[i] else None for i, (r, _) in enumerate(chunks)]
             first = self._constrain(first, ending + [None] * (plan.rows - len(chunks)))
-        self.cache, logits, prompt_out = prefill_step(self.model.params, self.cache, plan, config=self.model.config,
-                                                      impl=self.impl)
+        logits, prompt_out = self.device.run("prefill", plan)
         for req, n in chunks:
             self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
             req.num_prefilled += n
         if first is not None:  # queued before the prompt logprobs are read, so the device samples while the host waits
-            self.slot_state, out = sample_step(self.slot_state, logits, first)
+            out = self.device.run("sample_first", logits, first)
         if prompt_out is not None:
             self._deliver_prompt_logprobs(chunks, prompt_out)
         if first is not None:
@@ -422,12 +319,11 @@ class Engine:
             step.sample = sample
         else:  # a row with tokens in flight needs no mask from the host at this index: its plan's static one holds
             step.sample = self._constrain(sample, [r if r is not None and not r.in_flight else None for r in step.rows])
-        self.cache, logits = decode_step(self.model.params, self.cache, self.slot_state, step.plan,
-                                         config=self.model.config, impl=self.impl)
+        logits = self.device.run("decode", step.plan)
         if after is not None and after.following is step:
             step.logits = logits
         else:
-            self.slot_state, step.out = sample_step(self.slot_state, logits, step.sample)
+            step.out = self.device.run("sample_next", logits, step.sample)
         for r in keep:
             r.in_flight += 1
             r.positions_ahead += 1
@@ -470,99 +366,6 @@ class Engine:
         if following is not None and following.logits is not None:
             self._sample_deferred(following)
 
-    # ---- speculative decoding (EngineConfig.speculative) ----------------------------------------------------------
-    def draft(self, requests: Sequence[BatchedRequest], due: Sequence[bool] | None = None) -> list[list[int]]:
-        """Each request's prompt-lookup draft for its next verify step ([] when it has none, is backing off, or the
-        engine does not speculate). `due`: `speculator.due(requests)` when the caller already asked (it counts each
-        request's backoff down once per step)."""
-        if self.speculator is None:
-            return [[] for _ in requests]
-        due = self.speculator.due(requests) if due is None else due
-        drafts = []
-        for req, on in zip(requests, due):
-            if not on or req.status is not RequestStatus.DECODING:
-                drafts.append([])
-                continue
-            start = len(self.slots.tokens[req.slot_id])  # where the last token goes; the draft follows it
-            room = min(req.sampling.max_tokens - len(req.generated_tokens) - 1, self.max_seq_len - 1 - start)
-            drafts.append(self.speculator.propose(req, room))
-        return drafts
-
-    def verify_dispatch(self, requests: Sequence[BatchedRequest], drafts: Sequence[Sequence[int]]) -> PendingVerify:
-        """Queue one verify step: every unfinished request runs its last token and its draft (`drafts[i]`, may be
-        empty: a plain decode row) and gets 1 to len(draft) + 1 tokens at `verify_collect`. Fed from the host, so
-        every earlier step of these requests must be collected."""
-        if self.speculator is None:
-            raise RequestError("this engine does not speculate: create it with speculative=dict(method='ngram', ...)")
-        if len(drafts) != len(requests):
-            raise RequestError(f"verify_dispatch: {len(requests)} requests but {len(drafts)} drafts")
-        pairs = [(r, list(d)) for r, d in zip(batch(requests), drafts) if not r.finished]
-        for req, d in pairs:
-            self._slot(req)
-            if req.status is not RequestStatus.DECODING:
-                raise RequestError(f"request {req.request_id!r} must be prefilled before decoding")
-            if req.in_flight:
-                raise RequestError(f"request {req.request_id!r} has a decode step in flight: collect it first")
-            if drafts_nothing(req):
-                raise RequestError(f"request {req.request_id!r} has a structured output: the verify step applies no "
-                                   f"token mask, so decode it with decode_dispatch")
-            if len(d) > self.speculator.k or not all(isinstance(t, (int, np.integer)) for t in d):
-                raise RequestError(f"request {req.request_id!r}: a draft is at most {self.speculator.k} token ids")
-        step = PendingVerify(list(requests), [], None, None)
-        if not pairs:
-            return step
-        step.rows, step.plan, step.sample = verify_plans(self.rules, [r for r, _ in pairs], [d for _, d in pairs],
-                                                         lambda slot: len(self.slots.tokens[slot]))
-        self.cache, logits = verify_step(self.model.params, self.cache, step.plan, config=self.model.config,
-                                         impl=self.impl)
-        self.slot_state, step.out, step.accepted = verify_sample_step(self.slot_state, logits, step.sample)
-        for req, d in pairs:
-            req.in_flight += 1
-            req.positions_ahead += 1 + len(d)
-        return step
-
-    def verify_collect(self, step: PendingVerify) -> list[list[int] | None]:
-        """Read a verify step (one host sync): each request gets its accepted drafts and the token after them, cut at
-        a stop token or its length; returns each request's new tokens (None: finished before, or freed since)."""
-        if step.collected:
-            return step.results
-        present = [(i, r) for i, r in enumerate(step.rows) if r is not None]
-        for i, r in present:
-            r.in_flight -= 1
-            r.positions_ahead -= int(step.plan.lengths[i])
-        step.results = [None] * len(step.requests)
-        if not present:
-            return step.results
-        out, accepted = to_host((step.out, step.accepted))
-        fed, drafted = np.asarray(step.plan.tokens), np.asarray(step.sample.num_drafts)
-        results: dict[int, list[int]] = {}
-        for i, req in present:
-            if req.finished:  # freed or ended since the dispatch: its row is discarded
-                continue
-            n = int(accepted[i])
-            if drafted[i]:  # (a row without a draft counted its lookup's miss when it drafted nothing)
-                self.speculator.record(req, int(drafted[i]), n)
-            new = results[id(req)] = []
-            for j in range(n + 1):
-                new.append(self._append_token(req, out, (i, j)))
-                if req.finished:
-                    break
-            # the K/V kept: the fed last token and the accepted drafts before the final token (the rest is never read)
-            self.slots.tokens[req.slot_id].extend(int(t) for t in fed[i, :len(new)])
-        step.results, step.out, step.accepted = [results.get(id(r)) for r in step.requests], None, None
-        self._sample_following(step)
-        return step.results
-
-    def batch_speculative_step(self, requests: Sequence[BatchedRequest]) -> list[list[int] | None]:
-        """One device call that drafts and verifies every unfinished request (a plain decode step when none has a
-        draft); each request's new tokens (1 or more), None for the others."""
-        running = [r for r in batch(requests) if not r.finished]
-        drafts = self.draft(running)
-        if not any(drafts):
-            return [None if t is None else [t] for t in self.batch_decode_step(requests)]
-        by_id = {id(r): new for r, new in zip(running, self.verify_collect(self.verify_dispatch(running, drafts)))}
-        return [by_id.get(id(r)) for r in requests]
-
     # ---- structured outputs ----------------------------------------------------------------------------------
     @staticmethod
     def _masked_on_host(req: BatchedRequest, index: int) -> bool:
@@ -592,7 +395,7 @@ class Engine:
         on = np.array([r is not None and not r.finished for r in step.rows])
         sample = self._constrain(replace(step.sample, rows_on=step.sample.rows_on & on), step.rows)
         logits, step.logits = step.logits, None
-        self.slot_state, step.out = sample_step(self.slot_state, logits, sample)
+        step.out = self.device.run("sample_next", logits, sample)
 
     # ---- shared --------------------------------------------------------------------------------------------------
     def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
@@ -629,10 +432,7 @@ class Engine:
         `allocate_batch_slots`. `prompt_logprobs` also compiles the prefill variant that scores prompt tokens
         (otherwise compiled on first use). With a tokenizer, the masked samplers of structured outputs are compiled and
         llguidance's tokenizer built too. Slots, their cached tokens and the penalty state are unchanged."""
-        self.cache, self.slot_state, new = warm_up(self.model.params, self.cache, self.slot_state,
-                                                  config=self.model.config, rules=self.rules, progress=progress,
-                                                  prompt_logprobs=prompt_logprobs,
-                                                  structured=self.constrainer is not None)
+        new = self.device.warmup(self.rules, progress, prompt_logprobs, structured=self.constrainer is not None)
         if self.constrainer is not None:  # llguidance's view of the vocabulary, built once
             self.constrainer.prepare()
         return new
@@ -641,25 +441,7 @@ class Engine:
         """This engine's own program for `signature` (a `plan.Signature`), lowered on its params, cache and penalty
         state: what HLO checks and benchmarks inspect (`.compile().as_text()`), by construction the program a call
         of that shape runs."""
-        step = dict(config=self.model.config, impl=self.impl)
-        if signature.step in ("prefill", "prefill_scored"):
-            return prefill_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
-        if signature.step == "decode":
-            return decode_step.lower(self.model.params, self.cache, self.slot_state, empty_plan(self.rules, signature),
-                                     **step)
-        if signature.step in SAMPLERS:
-            logits = jax.ShapeDtypeStruct((signature.rows, self.model.config.vocab_size), self.model.dtype)
-            return sample_step.lower(self.slot_state, logits, empty_plan(self.rules, signature))
-        if signature.step == "copy_prefix":
-            return copy_slot_prefix.lower(self.cache, np.int32(0), np.int32(0), np.int32(0))
-        if signature.step == "verify":
-            return verify_step.lower(self.model.params, self.cache, empty_plan(self.rules, signature), **step)
-        if signature.step == "sample_verify":
-            c = self.model.config
-            logits = jax.ShapeDtypeStruct((signature.rows, signature.width, c.vocab_size), jnp.float32)
-            return verify_sample_step.lower(self.slot_state, logits, empty_plan(self.rules, signature))
-        raise RequestError(f"no step {signature.step!r} (a plan.Signature names prefill, prefill_scored, decode, "
-                           f"{', '.join(SAMPLERS)}, copy_prefix, verify or sample_verify)")
+        return self.device.lower(self.rules, signature)
 
     def compiled_count(self) -> int:
         """How many call signatures the step functions hold so far (a steady workload must not add any).
@@ -677,4 +459,5 @@ class Engine:
         cached prefix is forgotten, so no new request reuses K/V of the old weights. LoRA: pass the params with
         the new adapter leaves (the frozen base leaves are the same arrays, so nothing of them is copied)."""
         self.model = replace(self.model, params=placed(self.model.params, params))
+        self.device.params = self.model.params
         self.slots.forget()

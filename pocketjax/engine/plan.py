@@ -9,8 +9,8 @@ spells their arguments out.
 A new step input is a field here plus its use in the one step that reads it: an optional array is `None` when no
 row needs it, so batches without it keep their treedef, and their compiled programs.
 
-Warm-up, `Engine.lower` and the benchmarks build plans with `signatures` / `empty_plan`, so they compile and time
-the very programs the engine runs.
+Warm-up, `Engine.lower` and the benchmarks build plans with `signatures` / `runner.empty_plan` (the `empty_*`
+builders here), so they compile and time the very programs the engine runs.
 """
 from __future__ import annotations
 
@@ -318,9 +318,6 @@ def decode_at(rules: StepRules, positions: Sequence[int]) -> tuple[DecodePlan, S
     return plan, sample
 
 
-SAMPLERS = ("sample_first", "sample_next", "sample_first_masked", "sample_next_masked")
-
-
 # ---- every signature, and plans that write nothing (warm-up, Engine.lower, benchmarks) ---------------------------
 
 class Signature(NamedTuple):
@@ -366,36 +363,45 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
     return calls
 
 
-def empty_plan(rules: StepRules, call: Signature) -> PrefillPlan | DecodePlan | SamplePlan | VerifyPlan | VerifySamplePlan:
-    """A plan of `call`'s shape that writes nothing: zero-length chunks, inactive rows, rows that end no prompt
-    (slot state untouched)."""
-    r = call.rows
-    zeros = np.zeros(r, np.int32)
-    if call.step in ("prefill", "prefill_scored"):
-        empty = np.zeros((r, call.width), np.int32)
-        scored = call.step == "prefill_scored"
-        return PrefillPlan(empty, zeros, zeros, zeros, None, empty if scored else None,
-                           np.zeros(r, bool) if scored else None, kv_len=call.kv_len,
-                           num_top=MAX_LOGPROBS if scored else 0)
-    if call.step == "decode":
-        dense = rules.dense(r)
-        slots = np.arange(r, dtype=np.int32) if dense else zeros
-        return DecodePlan(slots, np.zeros(r, bool), kv_len=call.kv_len, dense=dense)
-    if call.step in SAMPLERS:
-        sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
-        first = call.step.startswith("sample_first")
-        masks, positions = (np.zeros((r, rules.vocab_size), bool), zeros) if first else (None, None)
-        limits = (None, None, None)
-        if call.step.endswith("_masked"):
-            limits = (all_allowed(r, rules.vocab_size), np.full((r, MAX_LOGIT_BIAS), rules.vocab_size, np.int32),
-                      np.zeros((r, MAX_LOGIT_BIAS), np.float32))
-        return SamplePlan(zeros, np.zeros(r, bool), sampling, masks, positions, *limits, num_top=call.num_top,
-                          logprobs_mode=rules.logprobs_mode)
-    if call.step == "verify":
-        return VerifyPlan(np.zeros((r, call.width), np.int32), zeros, zeros, zeros, kv_len=call.kv_len)
-    if call.step == "sample_verify":
-        sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
-        return VerifySamplePlan(zeros, np.zeros(r, bool), zeros, zeros, sampling,
-                                np.zeros((r, call.width - 1), np.int32),
-                                zeros, num_top=call.num_top, logprobs_mode=rules.logprobs_mode)
-    raise ValueError(f"no plan for step {call.step!r}")
+def empty_prefill(rules: StepRules, call: Signature) -> PrefillPlan:
+    """A prefill (scored or not) of `call`'s shape that writes nothing: zero-length chunks."""
+    r, zeros = call.rows, np.zeros(call.rows, np.int32)
+    empty = np.zeros((r, call.width), np.int32)
+    scored = call.step == "prefill_scored"
+    return PrefillPlan(empty, zeros, zeros, zeros, None, empty if scored else None,
+                       np.zeros(r, bool) if scored else None, kv_len=call.kv_len, num_top=MAX_LOGPROBS if scored else 0)
+
+
+def empty_decode(rules: StepRules, call: Signature) -> DecodePlan:
+    """A decode step of `call`'s shape over inactive rows."""
+    dense = rules.dense(call.rows)
+    slots = np.arange(call.rows, dtype=np.int32) if dense else np.zeros(call.rows, np.int32)
+    return DecodePlan(slots, np.zeros(call.rows, bool), kv_len=call.kv_len, dense=dense)
+
+
+def empty_sample(rules: StepRules, call: Signature) -> SamplePlan:
+    """A sampler (first token or next, masked or not) of `call`'s shape whose rows are off: slot state untouched."""
+    r, zeros = call.rows, np.zeros(call.rows, np.int32)
+    sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
+    first = call.step.startswith("sample_first")
+    masks, positions = (np.zeros((r, rules.vocab_size), bool), zeros) if first else (None, None)
+    limits = (None, None, None)
+    if call.step.endswith("_masked"):
+        limits = (all_allowed(r, rules.vocab_size), np.full((r, MAX_LOGIT_BIAS), rules.vocab_size, np.int32),
+                  np.zeros((r, MAX_LOGIT_BIAS), np.float32))
+    return SamplePlan(zeros, np.zeros(r, bool), sampling, masks, positions, *limits, num_top=call.num_top,
+                      logprobs_mode=rules.logprobs_mode)
+
+
+def empty_verify(rules: StepRules, call: Signature) -> VerifyPlan:
+    """A verify step of `call`'s shape over zero-length rows."""
+    zeros = np.zeros(call.rows, np.int32)
+    return VerifyPlan(np.zeros((call.rows, call.width), np.int32), zeros, zeros, zeros, kv_len=call.kv_len)
+
+
+def empty_verify_sample(rules: StepRules, call: Signature) -> VerifySamplePlan:
+    """A verify sampler of `call`'s shape whose rows are off."""
+    r, zeros = call.rows, np.zeros(call.rows, np.int32)
+    sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
+    return VerifySamplePlan(zeros, np.zeros(r, bool), zeros, zeros, sampling, np.zeros((r, call.width - 1), np.int32),
+                            zeros, num_top=call.num_top, logprobs_mode=rules.logprobs_mode)

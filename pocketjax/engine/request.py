@@ -9,6 +9,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from ..errors import RequestError
 from .sampling_params import SamplingParams
 
 
@@ -68,3 +69,13 @@ class Completion:
     request_id: Any = None
     # aligned with prompt_tokens when sampling.prompt_logprobs was set (entry 0 None), else empty
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)
+
+
+def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:
+    """`requests`, once checked to be a sequence of BatchedRequest (RequestError naming what it got otherwise)."""
+    if not isinstance(requests, Sequence) or isinstance(requests, str):
+        raise RequestError(f"requests must be a list of BatchedRequest, got {type(requests).__name__}")
+    bad = [r for r in requests if not isinstance(r, BatchedRequest)]
+    if bad:
+        raise RequestError(f"requests must be BatchedRequest objects, got {type(bad[0]).__name__}")
+    return requests

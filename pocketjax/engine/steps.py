@@ -221,6 +221,3 @@ def verify_sample_step(state: SlotState, logits: jax.Array, plan: VerifySamplePl
         kept.astype(jnp.int32), mode="drop"))
     bonus = jnp.take_along_axis(out.tokens, accepted[:, None], axis=1)[:, 0]  # drawn after the accepted drafts
     return state.advance(slots, bonus, plan.starts + accepted + 1, plan.steps + accepted + 1), out, accepted
-
-
-STEP_FUNCTIONS = (prefill_step, decode_step, sample_step, copy_slot_prefix, verify_step, verify_sample_step)

@@ -117,7 +117,13 @@ class LLM:
         `Scheduler.update_params` swaps them at the next step boundary (the same tree, shapes and dtypes; a
         ConfigError otherwise), requests in flight continue on them (`finish_running`: they finish on the old ones
         first), cached prefixes are forgotten. `self.model` then holds them, so `pj.logits(llm.model, ...)` scores
-        with what generates."""
+        with what generates.
+
+        In a multi-process job every process calls it, as a jax.distributed training loop does, with its view of the
+        same global params, each leaf on the engine's sharding (a train step's out_shardings; anything else is a
+        ConfigError, since placing it would run collectives beside the serving loop). Process 0's broadcast says at
+        which step its call number N applies, and every process swaps in its own call N at that step (one that has
+        not made it yet is waited for), so all serve the new weights from the same step."""
         self.scheduler.update_params(params, finish_running=finish_running, timeout=timeout)
         self.model = self.engine.model
 

@@ -14,6 +14,13 @@ same scheduler loop over its own Engine, and:
   cancellation ends the request everywhere); a `submit()` there is matched, in order, with the next request
   process 0 sent, so an SPMD script that submits the same requests on every process gets the same handles and
   results everywhere. A follower that never submits (`pocketjax serve`) keeps only the last UNCLAIMED of them.
+- New weights (`Scheduler.update_params`, called on every process with its view of the same global params): process
+  0's broadcast numbers its calls ("update 3 joins the queue at this step"), and every process queues its own call of
+  that number at that step, so the queue, and with it the step each update is applied at (`finish_running`: the first
+  with no request running) and the admissions it holds back, is the same everywhere. A follower whose own call has not
+  come yet waits for it there, at most `update_wait_s` (DistributedError past that: process 0 waits in the next
+  broadcast meanwhile, and a dead process 0 ends this one through JAX's client as ever). In a job the new leaves must
+  already have the engine's shardings: placing any other would run a computation beside the loop's collectives.
 - Process 0 steps at least every `keepalive_s` (one empty broadcast when idle), so a dead peer is noticed within
   that. Its stop is the job's last broadcast and stops every process (stop() elsewhere waits for it); a stopped
   job cannot restart. A step that fails other than with a request's own typed error means the processes can no
@@ -26,19 +33,25 @@ picks one.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+import jax
+
 from ..engine.request import BatchedRequest
 from ..engine.sampling_params import SamplingParams
-from ..errors import DistributedError, PocketJaxError, RequestError, StoppedError
+from ..errors import ConfigError, DistributedError, PocketJaxError, RequestError, StoppedError
 from .distributed import ProcessGroup
 from .handle import RequestHandle
 from .tokenizer import StopStringMatcher
 
 UNCLAIMED = 4096  # followers keep at most this many of process 0's requests that no local submit claimed
+UPDATE_WAIT_S = 100.0  # a follower waits this long for its own update_params call (JAX's default heartbeat timeout)
+POLL_S = 0.1  # how often a caller waiting for its update_params looks whether the scheduler stopped or died
+Update = tuple[Any, bool, threading.Event]  # new params queued for a step boundary: (params, finish_running, applied)
 
 
 def protocol(group: ProcessGroup | None, waiting: deque[RequestHandle], live: dict[Any, RequestHandle],
@@ -114,6 +127,29 @@ class Local:
     def step_failed(self, error: Exception) -> None:
         """Raise DistributedError when an engine call that raised `error` leaves the processes out of step."""
 
+    def check_params(self, current: Any, new: Any) -> None:
+        """Raise the ConfigError of new weights that this process cannot take as they are (before any is placed)."""
+
+    def update(self, entry: Update, updates: deque[Update]) -> None:
+        """Queue new weights (`Scheduler.update_params`): here they join the step-boundary queue `updates` at once."""
+        updates.append(entry)
+
+    def announced(self, updates: deque[Update]) -> None:
+        """At a step boundary, after `sync`: move the updates this step's broadcast announced into `updates`."""
+
+    def await_update(self, applied: threading.Event, failure: Callable[[], PocketJaxError | None],
+                     timeout: float | None) -> None:
+        """Return once `applied` is set; raise `failure()` where the scheduler stopped or died first (a job's loop
+        ends under its callers when a peer dies), TimeoutError past `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not applied.wait(POLL_S if deadline is None else max(min(POLL_S, deadline - time.monotonic()), 0)):
+            error = failure()
+            if error is not None:
+                raise error
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"the new params were not in use within {timeout} s (running requests still "
+                                   f"finishing)")
+
 
 class Lockstep(Local):
     """A multi-process job's side of the scheduler: process 0 leads, the others follow (the module docstring)."""
@@ -131,6 +167,11 @@ class Lockstep(Local):
         self._cancels: list[Any] = []  # process 0: ids of cancellations not yet broadcast
         self._expected: deque[RequestHandle] = deque()  # followers: local submits waiting for process 0's request
         self._unclaimed: deque[RequestHandle] = deque(maxlen=UNCLAIMED)  # followers: process 0's, not submitted here
+        self.update_wait_s = UPDATE_WAIT_S
+        self._numbered = 0  # update_params calls announced so far: the next one process 0 sends is number +1
+        self._updates_out: list[Update] = []  # process 0: update_params calls not yet broadcast
+        self._calls: deque[Update] = deque()  # followers: this process's calls, not yet announced by process 0
+        self._ready: list[Update] = []  # announced at this step, with this process's own params
 
     # ---- entry points (see Local) --------------------------------------------------------------------------------
     def check(self, request: BatchedRequest) -> None:
@@ -179,10 +220,11 @@ class Lockstep(Local):
 
     def sync(self, lock: threading.Condition, stop: Callable[[], None]) -> bool:
         with lock:
-            news = self._news()
-        message = self.group.exchange(news[0] if news else None)  # a follower waits here for process 0's next step
+            message, sent, updates = self._news()
+        message = self.group.exchange(message)  # a follower waits here for process 0's next step
         with lock:
-            if self._apply(message, news[1] if news else []):
+            self._take_updates(message.get("update", ()), updates, lock)
+            if self._apply(message, sent):
                 return True
             stop()
             return False
@@ -192,7 +234,8 @@ class Lockstep(Local):
         never sleeps here (it waits in the next step's broadcast) and ends only on process 0's stop."""
         if not self.group.leader:
             return not self.left
-        cond.wait_for(lambda: stopping() or work() or bool(self._inbox) or bool(self._cancels), self.keepalive_s)
+        news = lambda: bool(self._inbox or self._cancels or self._updates_out)  # noqa: E731
+        cond.wait_for(lambda: stopping() or work() or news(), self.keepalive_s)
         if stopping():
             self.leave()
             return False
@@ -216,6 +259,31 @@ class Lockstep(Local):
         self._expected.clear()
         return held
 
+    def check_params(self, current: Any, new: Any) -> None:
+        """Only leaves used as they are (`weights.placed`: a jax.Array, not weakly typed, on the engine's sharding):
+        placing any other (a reshard, or host values that device_put compares across processes) runs collectives
+        on the caller's thread, which would interleave with the loop's differently on each process."""
+        olds, tree = jax.tree_util.tree_flatten_with_path(current)
+        try:
+            leaves = tree.flatten_up_to(new)
+        except (ValueError, TypeError):
+            return  # not the engine's tree: `placed` names what differs
+        for (path, old), leaf in zip(olds, leaves):
+            if not (isinstance(leaf, jax.Array) and not leaf.weak_type and leaf.sharding == old.sharding):
+                where, spec = jax.tree_util.keystr(path), getattr(old.sharding, "spec", old.sharding)
+                raise ConfigError(f"update_params in a multi-process job: params{where} is not a jax.Array on the "
+                                  f"engine's sharding ({spec}); placing it would run collectives beside the serving "
+                                  f"loop's. Pass arrays laid out as the engine's, e.g. from a train step jitted with "
+                                  f"out_shardings=jax.tree.map(lambda x: x.sharding, llm.model.params)")
+
+    def update(self, entry: Update, updates: deque[Update]) -> None:
+        """Process 0: broadcast at the next step. Elsewhere: kept for process 0's call of the same number."""
+        (self._updates_out if self.group.leader else self._calls).append(entry)
+
+    def announced(self, updates: deque[Update]) -> None:
+        updates.extend(self._ready)
+        self._ready.clear()
+
     def step_failed(self, error: Exception) -> None:
         if not isinstance(error, PocketJaxError):
             # a peer gone mid-step (gloo: "Connection reset by peer"), or a failure the others may not share:
@@ -224,19 +292,42 @@ class Lockstep(Local):
                                    f"longer stay in step: {error}") from error
 
     # ---- the step's message --------------------------------------------------------------------------------------
-    def _news(self) -> tuple[dict[str, Any], list[RequestHandle]] | None:
-        """Process 0: the message for this step (new requests, cancellations) and the handles it adds."""
+    def _news(self) -> tuple[dict[str, Any] | None, list[RequestHandle], list[Update]]:
+        """Process 0: the message for this step (new requests, cancellations, update_params calls), the handles
+        and the updates it adds. Elsewhere (None, [], []): the message comes from process 0."""
         if not self.group.leader:
-            return None
+            return None, [], []
         sent, self._inbox = self._inbox, []
         cancels, self._cancels = self._cancels, []
+        updates, self._updates_out = self._updates_out, []
         message: dict[str, Any] = {}
         if sent:
             message["add"] = [[h.request_id, list(map(int, h.request.prompt_tokens)), asdict(h.request.sampling)]
                               for h in sent]
         if cancels:
             message["cancel"] = cancels
-        return message, sent
+        if updates:  # [number, finish_running]: process 0's choice of finish_running holds for every process
+            message["update"] = [[self._numbered + i + 1, finish] for i, (_, finish, _) in enumerate(updates)]
+        return message, sent, updates
+
+    def _take_updates(self, announced: list[list], updates: list[Update], lock: threading.Condition) -> None:
+        """Queue the updates process 0 announced for this step: its own calls on process 0; elsewhere this process's
+        call of each number, waited for (at most `update_wait_s`) where it has not come yet."""
+        if self.group.leader:
+            self._ready.extend(updates)
+            self._numbered += len(updates)
+            return
+        for number, finish_running in announced:
+            if number != self._numbered + 1:
+                raise DistributedError(f"process {self.group.process_id}: process 0 announced update_params call "
+                                       f"number {number} after {self._numbered}: the processes are out of step")
+            if not lock.wait_for(lambda: bool(self._calls), self.update_wait_s):
+                raise DistributedError(f"process {self.group.process_id}: process 0 applies its update_params call "
+                                       f"number {number} at this step, and this process's did not come within "
+                                       f"{self.update_wait_s:g} s: call update_params on every process, as often")
+            params, _, applied = self._calls.popleft()
+            self._ready.append((params, finish_running, applied))
+            self._numbered = number
 
     def _apply(self, message: dict[str, Any], sent: list[RequestHandle]) -> bool:
         """Apply process 0's message (on process 0 too: every process changes its queues at the same point);

@@ -4,11 +4,8 @@ One step admits waiting requests into free slots (oldest first), runs ONE budget
 call for every request whose prompt was already in its slot, and hands the new tokens to the requests' handles.
 The token budget bounds how long a long prompt can hold up the running decodes: at most one chunk per step.
 
-Pipelined (the default), a step queues decode step N+1, fed step N's tokens on device, before it reads step N's
-tokens, so the host's delivery work (detokenizing, stop strings, waking readers) runs while the device computes.
-A request that step N ends (a stop token or stop string) has its row of step N+1 discarded by the engine. The
-scheduler is the one owner of this policy: the engine only dispatches (`after=` the step whose tokens feed the
-next) and collects, in order.
+How the running requests decode (pipelined, speculative, the step in flight) is `engine.decode_policy`'s: the
+scheduler owns admission, delivery and failure isolation, and hands its isolation to the policy as `guard`.
 
 Only the thread that runs `step()` touches the engine. Other threads submit and cancel under one Condition,
 which the background loop sleeps on when there is nothing to do.
@@ -22,15 +19,16 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-import time
 from collections import deque
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import jax
 import numpy as np
 
-from ..engine.engine import Engine, PendingDecode, PendingVerify
+from ..engine.decode_policy import DecodePolicy
+from ..engine.engine import Engine
 from ..engine.request import BatchedRequest, RequestStatus
 from ..engine.sampling_params import SamplingParams
 from ..engine.slots import hashable
@@ -58,10 +56,6 @@ class Scheduler:
         self.prefill_token_budget = budget
         self.tokenizer = tokenizer
         engine.use_tokenizer(tokenizer)  # structured outputs compile against it (where the engine has none)
-        self.pipeline = pipeline  # overlap each step's host work with the next decode step on device
-        self._pending: PendingDecode | PendingVerify | None = None  # the decode step in flight: read next step
-        self._last_decode: tuple[str, int, float, int] | None = None  # speculative: (kind, rows, start,
-        # compiled_count then) of the step to time next
         self.waiting: deque[RequestHandle] = deque()
         self.running: list[RequestHandle] = []  # admitted: holding a slot, prefilling or decoding
         self._live: dict[Any, RequestHandle] = {}  # request_id -> handle, waiting or running
@@ -77,6 +71,8 @@ class Scheduler:
         # a job (process 0 then steps at least every keepalive_s, so a dead peer is noticed even when idle)
         self.lockstep = protocol(group, self.waiting, self._live, self._open, engine.validate, keepalive_s)
         self.group = self.lockstep.group  # None: one process
+        # pipelining, speculation and the step in flight; in a job every process decides by tokens, not its clock
+        self.decoder = DecodePolicy(engine, pipeline, clocked=self.group is None)
 
     # ---- callers (any thread) ------------------------------------------------------------------------------------
     def submit(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None = None,
@@ -138,24 +134,36 @@ class Scheduler:
 
         Requests in flight continue on the new weights from their next step; with `finish_running` the running
         ones finish on the old weights first while no new request is admitted (the waiting ones then start on the
-        new). One process only: in a multi-process job the processes would swap at different steps."""
-        if self.group is not None:
-            raise ConfigError("update_params in a multi-process job: the processes would swap at different steps; "
-                              "update each process's Engine between steps instead")
+        new). In a multi-process job every process calls it with its view of the same global params, leaves on the
+        engine's shardings: each process swaps in its own call at the step process 0's broadcast names, so all swap
+        at the same step (lockstep.py; process 0's `finish_running` holds for all). No background loop: in use at
+        once in one process, from the next `step()` in a job. StoppedError (DistributedError: the job lost a
+        process) when the scheduler stops before they are in use."""
+        self.lockstep.check_params(self.engine.model.params, params)
         params = placed(self.engine.model.params, params)
         applied = threading.Event()
         with self._cond:
-            self._updates.append((params, finish_running, applied))
+            if self._error is not None:
+                raise self._error
+            self.lockstep.update((params, finish_running, applied), self._updates)  # in a job: at process 0's word
             if self._thread is None:  # no loop: apply now unless running requests must finish first (step() does)
                 self._apply_updates()
                 return
             self._cond.notify_all()
-        if not applied.wait(timeout):
-            raise TimeoutError(f"the new params were not in use within {timeout} s (running requests still finishing)")
+        self.lockstep.await_update(applied, self._update_failure, timeout)
+
+    def _update_failure(self) -> StoppedError | None:
+        """Why queued params will not come into use: the job lost a process, or the scheduler stopped."""
+        with self._cond:
+            if self._error is not None:
+                return self._error
+            return StoppedError("the scheduler stopped before the new params were in use") if self._stopped else None
 
     def _apply_updates(self) -> None:
-        """Swap in the weights waiting for a step boundary (this is one); one that waits for the running requests
-        stays queued, and admission with it, until they finished. Holds `self._cond`."""
+        """Swap in the weights waiting for a step boundary (this is one; in a job, with those this step's broadcast
+        announced); one that waits for the running requests stays queued, and admission with it, until they
+        finished. Holds `self._cond`."""
+        self.lockstep.announced(self._updates)
         while self._updates:
             params, finish_running, applied = self._updates[0]
             if finish_running and self.running:
@@ -186,12 +194,8 @@ class Scheduler:
         decoding = [h for h in batch if h.request.status is RequestStatus.DECODING]
         self._run(prefilling, self.engine.batch_prefill, [h.request for h in prefilling],
                   token_budget=self.prefill_token_budget, alone=self._prefill_alone)
-        if self.engine.speculator is not None:
-            self._decode_speculative(decoding, timed=not prefilling)
-        elif self.pipeline:
-            self._decode_pipelined(decoding)
-        else:
-            self._run(decoding, self.engine.batch_decode_step, [h.request for h in decoding], alone=self._decode_alone)
+        self.decoder.advance([h.request for h in decoding], guard=partial(self._run, decoding),
+                             deliver=partial(self._hand_out, decoding), timed=not prefilling)
         self._hand_out(batch)
         with self._cond:
             return self.has_work()
@@ -315,7 +319,7 @@ class Scheduler:
                     if handle.done() or handle.request.finished:
                         continue
                     try:
-                        alone(handle)
+                        alone(handle.request)
                     except Exception as own:  # noqa: BLE001 - this request's own failure
                         self._fail(handle, own)
                 return None
@@ -329,109 +333,13 @@ class Scheduler:
                 self._release(handle)
                 handle.fail(error)
 
-    def _prefill_alone(self, handle: RequestHandle) -> None:
-        self.engine.batch_prefill([handle.request], token_budget=self.prefill_token_budget)
-
-    def _decode_alone(self, handle: RequestHandle) -> None:
-        self.engine.batch_decode_step([handle.request])
+    def _prefill_alone(self, request: BatchedRequest) -> None:
+        self.engine.batch_prefill([request], token_budget=self.prefill_token_budget)
 
     def _engine_intact(self) -> bool:
         """False when a failed call had already donated the cache (its buffers are gone): nothing can be re-run."""
         leaves = jax.tree_util.tree_leaves((self.engine.cache, self.engine.slot_state))
         return not any(getattr(leaf, "is_deleted", lambda: False)() for leaf in leaves)
-
-    def _decode_pipelined(self, handles: list[RequestHandle]) -> None:
-        """Queue the next decode step behind the one in flight, then read that one, whose tokens `step` hands out
-        while the new one runs (with nothing in flight: queue two, read the first).
-
-        Every row's input is its slot's state on device, so a request that just joined rides in the step queued
-        now: nothing drains. Tokens read may end a request (a stop token or string); its row in the step queued
-        after them is discarded by the engine.
-        """
-        pending, self._pending = self._pending, None
-        requests = [h.request for h in handles]
-        if pending is None and any(not r.finished for r in requests):
-            pending = self._run(handles, self.engine.decode_dispatch, requests, alone=self._decode_alone)
-        if pending is None:
-            return
-        following = (self._run(handles, self.engine.decode_dispatch, requests, after=pending)
-                     if any(not r.finished for r in requests) else None)
-        if self._run(handles, self.engine.collect, pending) is not None:
-            self._pending = following
-
-    def _decode_speculative(self, handles: list[RequestHandle], timed: bool = True) -> None:
-        """Speculative decoding (EngineConfig.speculative): a step that verifies reads the step in flight first (a
-        draft needs its tokens), drafts on the host, queues ONE verify step (rows without a draft decode in it), then
-        hands out the tokens read while the device runs it. It verifies only when the drafts are expected to pay for
-        the verify by this machine's measured step times (`Speculator.pays`); otherwise, and whenever no request is
-        due to draft (all backing off, `speculative.Backoff`), the step is the plain pipelined decode. `timed`: no
-        prefill ran in this step, so the time since the last one measures the decode step before it.
-
-        What the clock is fed (`speculative.StepClock`): a pipelined plain step costs the time from its call to the
-        next (the device always has a step queued then); a verify, and a plain step queued from the host after one
-        ("fed"), cost the time from the moment the device went idle for them (everything before collected) to the
-        moment their tokens were read. Timing each call's interval as its own kind would charge a verify's device
-        time to the call after it. Steps that compiled are not timed."""
-        spec = self.engine.speculator
-        # In a multi-process job every process must take the same decision: by tokens only, never by its own clock.
-        pays = spec.pays if self.group is None else (lambda *_: True)
-        requests = [h.request for h in handles]
-        running = [r for r in requests if not r.finished]
-        rows, now = self.engine.rules.rows(max(len(running), 1)), time.perf_counter()
-        last, self._last_decode = self._last_decode, None
-        timed = timed and last is not None and last[3] == self.engine.compiled_count()  # a compile is no step time
-        if timed and last[0] == "plain" and last[1] == rows:
-            spec.clock.observe("plain", rows, now - last[2])
-        fed = last if timed and last[0] == "fed" and last[1] == rows else None
-        due = spec.due(requests)
-        pending = self._pending
-        optimistic = [spec.expected(r) for r, on in zip(requests, due) if on]
-        if not (optimistic and pays(rows, len(running), optimistic)):
-            if self.pipeline:  # (after a verify: the next step follows it on device, its accepted counts unread)
-                compiled = self.engine.compiled_count()
-                self._decode_pipelined(handles)
-                if fed is not None and fed[3] == self.engine.compiled_count():  # the host-fed step just read
-                    spec.clock.observe("fed", rows, time.perf_counter() - fed[2])
-                if timed and last[0] == "verify" and isinstance(pending, PendingVerify):  # it was read just now
-                    spec.clock.observe("verify", last[1], time.perf_counter() - last[2])
-                # the call that read a verify waited for it: its interval is no plain step's time
-                self._last_decode = (("untimed" if isinstance(pending, PendingVerify) else "plain"), rows, now,
-                                     compiled) if running else None
-            else:  # (nothing is ever left in flight here)
-                self._run(handles, self.engine.batch_decode_step, requests, alone=self._decode_alone)
-            return
-        self._pending = None
-        if pending is not None:
-            self._run(handles, self.engine.collect, pending)
-            if timed and last[0] in ("verify", "fed"):
-                spec.clock.observe(last[0], last[1], time.perf_counter() - last[2])
-        if all(r.finished for r in requests):
-            return
-        idle = time.perf_counter()  # nothing in flight: the device waits from here until the next step is queued
-        compiled = self.engine.compiled_count()
-        drafts = self.engine.draft(requests, due)
-        gains = [spec.expected(r) for r, d in zip(requests, drafts) if d]
-        running = [r for r in requests if not r.finished]
-        verify_rows = self.engine.rules.rows(len(running))
-        if gains and pays(verify_rows, len(running), gains):
-            step = self._run(handles, self.engine.verify_dispatch, requests, drafts, alone=self._speculate_alone)
-            kind = "verify"
-        else:
-            step = self._run(handles, self.engine.decode_dispatch, requests, alone=self._decode_alone)
-            kind = "plain"
-        if not self.pipeline and step is not None:
-            self._run(handles, self.engine.collect, step)
-            if kind == "verify" and compiled == self.engine.compiled_count():
-                spec.clock.observe("verify", verify_rows, time.perf_counter() - idle)
-            return
-        self._hand_out(handles)  # what the collected step brought, while the device runs the new one
-        self._pending = step
-        if kind == "plain":  # queued from the host: after a verify it is what leaving speculation costs
-            kind = "fed" if isinstance(pending, PendingVerify) else "untimed"
-        self._last_decode = (kind, verify_rows, idle, compiled) if step is not None else None
-
-    def _speculate_alone(self, handle: RequestHandle) -> None:
-        self.engine.batch_speculative_step([handle.request])
 
     def _hand_out(self, handles: list[RequestHandle]) -> None:
         """Deliver the new tokens of each handle's request."""
