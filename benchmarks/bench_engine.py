@@ -324,7 +324,7 @@ def step_breakdown(model, engine: Engine, prompts: Prompts, c: int, args: Simple
     head = jax.jit(lm_head)
 
     def forward():
-        state["logits"] = device.run("decode", plan).block_until_ready()
+        state["logits"] = device.run("decode", plan)[0].block_until_ready()
 
     def sampler():
         np.asarray(device.run("sample_next", state["logits"], sample).tokens)

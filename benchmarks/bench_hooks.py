@@ -1,6 +1,8 @@
-"""What a per-request intervention hook (SamplingParams.hook) costs a decode step: no hook, a steering hook on every
-row, and the same hook on one row only (the others then run the same program, their rows selected away). Prints a
-markdown table last; `--json` writes every record.
+"""What a per-request intervention or capture costs a decode step: no hook, a steering hook (SamplingParams.hook) on
+every row or on one row only (the others then run the same program, their rows selected away), the same steering as
+data (SamplingParams.steer, a new vector every round) on every row or one, and activations captured at every layer
+(SamplingParams.return_hidden). Then 100 requests with 100 distinct vectors: the compiled programs after the first and
+the last (equal: steering is data). Prints a markdown table last; `--json` writes every record.
 
     python benchmarks/bench_hooks.py --model qwen3-tiny --concurrency 1,8 --json out.json
     python benchmarks/bench_hooks.py --model qwen3-0.6b --concurrency 1,8 --steps 8
@@ -30,7 +32,8 @@ from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.engine.sampling_params import SamplingParams  # noqa: E402
 from pocketjax.model.decoder import load_model  # noqa: E402
 
-VARIANTS = ("no hook", "hook on every row", "hook on one row")
+VARIANTS = ("no hook", "hook on every row", "hook on one row", "steer on every row", "steer on one row",
+            "hidden on every row")  # the last: SamplingParams.return_hidden, every layer (the engine reads them all)
 
 
 def steering_hook(layer_index: int, vector: np.ndarray):
@@ -41,11 +44,14 @@ def steering_hook(layer_index: int, vector: np.ndarray):
 
 
 def time_variant(engine: Engine, variant: str, hook, c: int, prompt_len: int, steps: int, round_: int) -> list[float]:
-    """Seconds per decode step of c greedy requests, `variant` saying which rows carry the hook."""
+    """Seconds per decode step of c greedy requests, `variant` saying which rows carry the hook or steering."""
     rng = np.random.default_rng(round_)
     plain = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
-    hooked = replace(plain, hook=hook)
-    params = [hooked if variant == "hook on every row" or (variant == "hook on one row" and i == 0) else plain
+    c_model = engine.model.config
+    steer = {c_model.num_layers // 2: rng.normal(0, 0.5, c_model.hidden_size).astype(np.float32)}  # new each round
+    changed = (replace(plain, hook=hook) if variant.startswith("hook") else replace(plain, steer=steer)
+               if variant.startswith("steer") else replace(plain, return_hidden=range(c_model.num_layers + 1)))
+    params = [changed if variant.endswith("every row") or (variant.endswith("one row") and i == 0) else plain
               for i in range(c)]
     reqs = [BatchedRequest(f"{variant}-{round_}-{i}", [int(t) for t in rng.integers(0, engine.model.config.vocab_size,
                                                                                    prompt_len)], sp)
@@ -76,7 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     hook = steering_hook(model.config.num_layers // 2, vector)
     runs: dict[tuple[int, str], list[float]] = {}
     for c in concurrency:
-        variants = VARIANTS if c > 1 else VARIANTS[:2]  # one row: "one row" is "every row"
+        variants = [v for v in VARIANTS if c > 1 or not v.endswith("one row")]  # one row: "one row" is "every row"
         for round_ in range(args.repeats):
             for variant in variants:
                 runs.setdefault((c, variant), []).extend(
@@ -84,7 +90,13 @@ def main(argv: list[str] | None = None) -> dict:
     records = [dict(model=args.model, dtype=args.dtype, concurrency=c, variant=variant,
                     decode_step_ms=1e3 * statistics.median(times), decode_step_ms_runs=[1e3 * t for t in times])
                for (c, variant), times in runs.items()]
-    result = {"machine": machine("backend", "devices", "loadavg"), "records": records}
+    counts = []
+    for i in range(100):  # 100 requests, 100 distinct vectors, with an unsteered batch-mate (the first compiles the
+        time_variant(engine, "steer on one row", hook, 2, args.prompt_len, 1, 1000 + i)  # shapes of 2 rows)
+        counts.append(engine.compiled_count())
+    programs = {"compiled_after_1st_vector": counts[0], "compiled_after_100th_vector": counts[-1]}
+    print(programs, flush=True)
+    result = {"machine": machine("backend", "devices", "loadavg"), "records": records, **programs}
     write_json(args.json, result)
     base = {r["concurrency"]: r["decode_step_ms"] for r in records if r["variant"] == "no hook"}
     print(markdown_table(["model", "c", "variant", "decode ms/step", "x no hook"], (

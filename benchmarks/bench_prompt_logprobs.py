@@ -44,7 +44,7 @@ def time_variant(engine: Engine, num_top: int | None, c: int, length: int, repea
     times = []
     for i in range(repeats + 1):
         start = time.perf_counter()
-        logits, scores = engine.device.run("prefill", plan)
+        logits, scores, _ = engine.device.run("prefill", plan)
         jax.block_until_ready(logits if scores is None else scores)
         if i:
             times.append(time.perf_counter() - start)

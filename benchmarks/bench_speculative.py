@@ -238,7 +238,7 @@ def profile_rows(engine: Engine, prompts: list[list[int]], iters: int) -> dict:
         before = jax.tree.map(jnp.copy, device.state)  # the steps timed alone advance it: restored after
 
         def plain_forward():
-            held["logits"] = device.run("decode", dplan).block_until_ready()
+            held["logits"] = device.run("decode", dplan)[0].block_until_ready()
 
         def plain_sample():
             device.run("sample_next", held["logits"], splan).tokens.block_until_ready()

@@ -151,7 +151,7 @@ def device_step_s(scratch: Engine, positions: list[int], steps: int) -> float:
 
     def step(k: int):  # the plan the engine builds for these rows, k positions on
         plan, sample = decode_at(scratch.rules, [p + k for p in positions])
-        return device.run("sample_next", device.run("decode", plan), sample).tokens
+        return device.run("sample_next", device.run("decode", plan)[0], sample).tokens
 
     jax.block_until_ready(step(0)), jax.block_until_ready(step(1))  # warm
     t0 = time.perf_counter()

@@ -163,3 +163,90 @@ def test_bad_hooks_fail_their_own_request_and_the_engine_keeps_serving(models, h
             with pytest.raises(SamplingError, match=match):
                 handle.result(timeout=60)
         assert good.result(timeout=60).token_ids == reference(model, prompt, GREEDY.max_tokens, hooks[0])
+
+
+# ---- steering vectors as data (SamplingParams.steer) -------------------------------------------------------------
+
+def steering(model, seed: int, layer: int) -> dict:
+    return {layer: np.random.default_rng(seed).normal(0, 1.0, model.config.hidden_size).astype(np.float32)}
+
+
+def test_a_steered_request_equals_the_same_hook_and_leaves_its_batch_mates_untouched(models):
+    """steer={layer: v} is the hook x + v after that layer, as data: the engine's tokens and logprobs equal (==) a
+    hook-based request's, its greedy tokens the cache-free pj.logits(hook=) reference's, and an unsteered request
+    beside it gets exactly what it gets alone."""
+    model = models[False]
+    steer = steering(model, 3, 1)
+    sp = replace(GREEDY, logprobs=2)
+    steered_sp, hooked_sp = replace(sp, steer=steer), replace(sp, hook=steer_at(1, steer[1]))
+    p0, p1 = random_prompts(1, (7, 12), model.config.vocab_size)
+    engine = Engine(model, max_batch_size=2, max_seq_len=64, prefill_chunk=16)
+    (steered,) = run(engine, [p0], steered_sp)
+    (hooked,) = run(engine, [p0], hooked_sp)
+    expected = reference(model, p0, GREEDY.max_tokens, hooked_sp.hook)
+    assert steered.generated_tokens == hooked.generated_tokens == expected
+    assert steered.logprobs == hooked.logprobs
+    mixed = run(engine, [p0, p1], [steered_sp, sp])
+    (alone,) = run(engine, [p1], sp)
+    assert mixed[0].generated_tokens == steered.generated_tokens and mixed[0].logprobs == steered.logprobs
+    assert mixed[1].generated_tokens == alone.generated_tokens and mixed[1].logprobs == alone.logprobs
+    (plain,) = run(engine, [p0], sp)
+    assert plain.generated_tokens != steered.generated_tokens  # the steering matters, so the checks above can fail
+
+
+def test_steering_vectors_compile_nothing_after_warmup_and_share_prefixes_only_under_the_same_vectors(models):
+    model = models[True]  # the scan layout: the vectors ride the scan beside the layers
+    engine = Engine(model, max_batch_size=2, max_seq_len=32, prefill_chunk=16)
+    engine.warmup(progress=False, steering=True)
+    warm = engine.compiled_count()
+    prompts = random_prompts(7, (9, 5), model.config.vocab_size)
+    outs = []
+    for seed in range(4):  # four different vectors at different layers, alone and beside an unsteered request
+        sp = replace(GREEDY, steer=steering(model, seed, seed % model.config.num_layers))
+        outs.append(run(engine, prompts, [sp, GREEDY])[0].generated_tokens)
+    assert engine.compiled_count() == warm
+    assert len({tuple(o) for o in outs}) > 1
+    steer = replace(GREEDY, steer=steering(model, 0, 0))
+    (first,) = run(engine, prompts[:1], steer)
+    follow_up = prompts[0] + first.generated_tokens
+    assert run(engine, [follow_up], steer)[0].cached_prefix_len > 0  # the same vectors reuse the steered K/V
+    assert run(engine, [follow_up], replace(GREEDY, steer=steering(model, 1, 0)))[0].cached_prefix_len == 0
+    assert run(engine, [follow_up], GREEDY)[0].cached_prefix_len == 0
+
+
+def test_bad_steering_fails_its_own_request(models):
+    model = models[False]
+    engine = Engine(model, max_batch_size=1, max_seq_len=32, prefill_chunk=16)
+    h = model.config.hidden_size
+    for steer in ({model.config.num_layers: np.zeros(h)}, {0: np.zeros(h + 1)}, {"a": np.zeros(h)}, {0: [np.nan] * h}):
+        with pytest.raises(SamplingError, match="steer"):
+            engine.allocate_slot(BatchedRequest("bad", [1, 2, 3], replace(GREEDY, steer=steer)))
+    assert run(engine, [[1, 2, 3]], GREEDY)[0].finish_reason == "length"  # the engine keeps serving
+
+
+# ---- activations from generation (SamplingParams.return_hidden) --------------------------------------------------
+
+def test_captured_activations_equal_pj_logits_hidden_and_batch_mates_are_untouched(models):
+    """Completion.hidden[j] is the residual stream at the position whose logits gave token j, at the asked indices
+    of pj.logits(return_hidden=True) on the same tokens (within float32 rounding: different programs); a request
+    beside it is bitwise what it is alone; a steered request's activations carry its steering."""
+    model = models[False]
+    layers = (0, 2, model.config.num_layers)  # the embedding output, after layer 1, after the last layer
+    sp = replace(GREEDY, logprobs=1)
+    captured_sp = replace(sp, return_hidden=layers, steer=steering(model, 5, 1))
+    p0, p1 = random_prompts(8, (6, 11), model.config.vocab_size)
+    with pj.LLM(model, max_batch_size=2, max_seq_len=64, prefill_chunk=16) as llm:
+        mixed = llm.generate([p0, p1], [captured_sp, sp])  # the scheduler's pipelined decode
+        alone = llm.generate([p1], sp)[0]
+    out = mixed[0]
+    assert out.hidden.shape == (len(out.token_ids), len(layers), model.config.hidden_size)
+    tokens = p0 + out.token_ids[:-1]
+    padded = np.zeros((1, WIDTH), np.int32)
+    padded[0, :len(tokens)] = tokens
+    _, hidden = pj.logits(model, padded, return_hidden=True, hook=steer_at(1, np.float32(captured_sp.steer[0][1])))
+    expected = np.asarray(hidden)[list(layers), 0, len(p0) - 1: len(tokens)].transpose(1, 0, 2)
+    np.testing.assert_allclose(out.hidden, expected, rtol=1e-4, atol=1e-4)
+    assert mixed[1].token_ids == alone.token_ids and mixed[1].logprobs == alone.logprobs and mixed[1].hidden is None
+    with pytest.raises(SamplingError, match="return_hidden"):
+        Engine(model, max_batch_size=1, max_seq_len=32).allocate_slot(
+            BatchedRequest("bad", [1, 2], replace(GREEDY, return_hidden=(model.config.num_layers + 1,))))

@@ -2,6 +2,8 @@
 nothing, and each implemented vLLM extra (serve/http/openai_protocol.py `VllmFields`, engine/processors.py) is checked
 with the official openai client against an independent reference: the request without the field, the tokenizer,
 log_softmax(pj.logits), or the same request run alone (bitwise)."""
+from dataclasses import replace
+
 import jax
 import numpy as np
 import openai
@@ -261,3 +263,17 @@ def test_sampling_params_name_a_bad_field():
                        (dict(bad_words=[" "]), "bad_words"), (dict(skip_special_tokens=1), "skip_special_tokens")):
         with pytest.raises(SamplingError, match=f"SamplingParams.{field}"):
             SamplingParams(**bad).validate(4096)
+
+
+def test_steer_equals_the_engine_steered_and_a_bad_one_is_a_400(llm, client):
+    """The server's `steer` extra is SamplingParams.steer: its tokens equal LLM.generate's with the same vectors, which
+    differ from the unsteered ones; a layer the model lacks is a 400 naming the field."""
+    c = llm.engine.model.config
+    vector = np.random.default_rng(0).normal(0, 4.0, c.hidden_size).astype(np.float32)
+    answer = complete(client, steer={"1": vector.tolist()}, max_tokens=8, logprobs=1, return_tokens_as_token_ids=True)
+    served_ids = [int(t.removeprefix("token_id:")) for t in answer.choices[0].logprobs.tokens]
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    steered = llm.generate([PROMPT], replace(sp, steer={1: vector}))[0].token_ids
+    assert served_ids == steered != llm.generate([PROMPT], sp)[0].token_ids
+    with pytest.raises(openai.BadRequestError, match="steer"):
+        complete(client, steer={str(c.num_layers): vector.tolist()})

@@ -154,10 +154,10 @@ def test_dp_tp_mesh_prefill_and_decode(load, mesh):
     cache = sharding.init_sharded_cache(model.mesh, c.num_layers, 4, c.num_kv_heads, 64, c.head_dim, model.dtype)
     # 1x2 runs the kernels (shard_map manual over "tp" only, "dp" left to XLA); 2x1 the XLA attention
     steps = dict(config=c, impl="pallas_interpret" if mesh == "1x2" else "xla")
-    cache, first, _ = prefill_step(model.params, cache, PrefillPlan(tokens, slots, zeros, lengths, kv_len=64), **steps)
+    cache, first, _, _ = prefill_step(model.params, cache, PrefillPlan(tokens, slots, zeros, lengths, kv_len=64), **steps)
     after = np.asarray(first).argmax(-1).astype(np.int32)
     state = SlotState.zeros(4, c.vocab_size).advance(slots, after, lengths, zeros)  # as the first sampler leaves it
-    cache, second = decode_step(model.params, cache, state, DecodePlan(slots, lengths > 0, kv_len=64, dense=True),
+    cache, second, _ = decode_step(model.params, cache, state, DecodePlan(slots, lengths > 0, kv_len=64, dense=True),
                                 **steps)
     layer = NamedSharding(model.mesh, P("dp", "tp"))  # 1x2: kv heads split; 2x1: slots split (dp of size 1 = P())
     assert all(a.sharding.is_equivalent_to(layer, 4) for a in cache.k + cache.v)

@@ -35,7 +35,7 @@ from .processors import limits_of
 from .structured import Constrainer
 from .runner import Device, compiled_count
 from .steps import SlotState
-from .validation import check_request
+from .validation import check_request, steering_table
 from .verifying import SpeculativeSteps
 from .weights import placed
 
@@ -121,8 +121,10 @@ class Engine(SpeculativeSteps):
         """How this engine buckets its step calls (`plan.StepRules`): what warm-up and benchmarks plan with."""
         cfg = self.config
         width = cfg.speculative.num_speculative_tokens + 1 if cfg.speculative is not None else 0
+        c = self.model.config
         return StepRules(self.num_slots, cfg.max_seq_len, cfg.prefill_chunk, cfg.min_prefill_bucket,
-                         cfg.min_kv_bucket, self.impl, self.model.config.vocab_size, width, cfg.logprobs_mode)
+                         cfg.min_kv_bucket, self.impl, c.vocab_size, width, cfg.logprobs_mode, c.num_layers,
+                         c.hidden_size)
 
     def allocate_batch_slots(self, n: int) -> None:
         """(Re)allocate the KV cache with n slots; refused while any slot is held."""
@@ -165,9 +167,9 @@ class Engine(SpeculativeSteps):
         # Prompt logprobs need every prompt position computed, so such a request reuses no cached prefix (as vLLM);
         # its own prompt is cached as usual for the requests after it.
         reuse = req is not None and req.sampling.prompt_logprobs is None
-        # A hook changes the K/V it writes, so a slot's cached prefix serves only requests with the same hook.
+        # A hook or steering changes the K/V it writes: a slot's cached prefix serves only requests with the same.
         alloc = self.slots.allocate(request_id, list(req.prompt_tokens) if reuse else None,
-                                    req.sampling.hook if req is not None else None)
+                                    req.sampling.cache_tag if req is not None else None)
         if alloc.donor is not None:
             self.device.run("copy_prefix", np.int32(alloc.donor), np.int32(alloc.slot), np.int32(alloc.cached))
         if req is not None:
@@ -201,7 +203,7 @@ class Engine(SpeculativeSteps):
         if req.status is RequestStatus.WAITING:
             req.status = RequestStatus.PREFILLING
         req.slot_id = slot
-        self.slots.tags[slot] = req.sampling.hook  # (allocated by id: its K/V are written under this hook)
+        self.slots.tags[slot] = req.sampling.cache_tag  # (allocated by id: its K/V are written under this hook)
         return slot
 
     # ---- prefill -------------------------------------------------------------------------------------------------
@@ -223,6 +225,8 @@ class Engine(SpeculativeSteps):
                 req.seed = req.sampling.seed if req.sampling.seed is not None else int(self.rng.integers(2**32))
             if req.sampling.structured is not None and req.matcher is None:
                 req.matcher = self.constrainer.start(req.sampling.structured)
+            if req.sampling.steer and req.steering is None:
+                req.steering = steering_table(req, self.model)
             if req.sampling.limited and req.limits is None:
                 req.limits = limits_of(req.sampling, self.model.config.vocab_size, sorted(self.eos_ids),
                                        self.constrainer.tokenizer if self.constrainer is not None else None)
@@ -255,7 +259,7 @@ class Engine(SpeculativeSteps):
         if first is not None:  # the first token's masks: each constrained matcher's start state
             ending = [r if first.rows_on[i] else None for i, (r, _) in enumerate(chunks)]
             first = self._constrain(first, ending + [None] * (plan.rows - len(chunks)))
-        logits, prompt_out = self.device.run("prefill", plan)
+        logits, prompt_out, captured = self.device.run("prefill", plan)
         for req, n in chunks:
             self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
             req.num_prefilled += n
@@ -264,8 +268,9 @@ class Engine(SpeculativeSteps):
         if prompt_out is not None:
             self._deliver_prompt_logprobs(chunks, prompt_out)
         if first is not None:
-            self._deliver([(i, r) for i, (r, _) in enumerate(chunks) if first.rows_on[i] and not r.finished],
-                          out, results)
+            ending = [(i, r) for i, (r, _) in enumerate(chunks) if first.rows_on[i] and not r.finished]
+            self._deliver(ending, out, results)
+            self._keep_hidden(ending, captured)
 
     @staticmethod
     def _deliver_prompt_logprobs(chunks: list[tuple[BatchedRequest, int]], out: SampleOutput) -> None:
@@ -319,7 +324,7 @@ class Engine(SpeculativeSteps):
             step.sample = sample
         else:  # a row with tokens in flight needs no mask from the host at this index: its plan's static one holds
             step.sample = self._constrain(sample, [r if r is not None and not r.in_flight else None for r in step.rows])
-        logits = self.device.run("decode", step.plan)
+        logits, step.captured = self.device.run("decode", step.plan)
         if after is not None and after.following is step:
             step.logits = logits
         else:
@@ -354,9 +359,10 @@ class Engine(SpeculativeSteps):
         if kept:
             fed = [(r.slot_id, r.last_token) for _, r in kept]
             self._deliver(kept, step.out, results)
+            self._keep_hidden(kept, step.captured)
             for slot, token in fed:  # recorded once its row is kept, so a discarded row leaves no trace
                 self.slots.tokens[slot].append(token)
-        step.results, step.out = [results.get(id(r)) for r in step.requests], None
+        step.results, step.out, step.captured = [results.get(id(r)) for r in step.requests], None, None
         self._sample_following(step)
         return step.results
 
@@ -404,6 +410,17 @@ class Engine(SpeculativeSteps):
         for i, req in rows:
             results[id(req)] = self._append_token(req, out, i)
 
+    @staticmethod
+    def _keep_hidden(rows: list[tuple[int, BatchedRequest]], captured: Any) -> None:
+        """Append the asked layers of each row's captured stream (host read of `captured` [rows, layers + 1, H],
+        None when no row asked) to its request, beside the token just delivered."""
+        if captured is None:
+            return
+        captured = to_host(captured)
+        for i, req in rows:
+            if req.sampling.return_hidden:
+                req.hidden.append(np.asarray(captured[i, list(req.sampling.return_hidden)], np.float32))
+
     def _append_token(self, req: BatchedRequest, out: SampleOutput, index: int | tuple[int, int]) -> int:
         """Append the token at `index` of host `out` (with its logprobs) to req; end req on a stop token, its grammar's
         end or its length. Returns the token."""
@@ -426,13 +443,18 @@ class Engine(SpeculativeSteps):
         """True when `generated` tokens end req by length: max_tokens, or the cache's last position."""
         return generated >= req.sampling.max_tokens or len(req.prompt_tokens) + generated >= self.max_seq_len
 
-    def warmup(self, progress: bool = True, prompt_logprobs: bool = False) -> int:
+    def warmup(self, progress: bool = True, prompt_logprobs: bool = False, steering: bool = False,
+               return_hidden: bool = False) -> int:
         """Compile every step shape this engine can call (`plan.signatures`), so no request waits for a compile;
         returns how many were new. Run it while nothing else drives the engine, and again after
         `allocate_batch_slots`. `prompt_logprobs` also compiles the prefill variant that scores prompt tokens
         (otherwise compiled on first use). With a tokenizer, the masked samplers of structured outputs are compiled and
-        llguidance's tokenizer built too. Slots, their cached tokens and the penalty state are unchanged."""
-        new = self.device.warmup(self.rules, progress, prompt_logprobs, structured=self.constrainer is not None)
+        llguidance's tokenizer built too. `steering` compiles the forward steps of requests with
+        `SamplingParams.steer` (one program per shape, whatever the vectors), `return_hidden` those of requests with
+        `SamplingParams.return_hidden` (one per shape, whatever the layers). Slots, their cached tokens and the slot
+        state are unchanged."""
+        new = self.device.warmup(self.rules, progress, prompt_logprobs, self.constrainer is not None, steering,
+                                 return_hidden)
         if self.constrainer is not None:  # llguidance's view of the vocabulary, built once
             self.constrainer.prepare()
         return new

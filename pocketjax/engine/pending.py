@@ -34,6 +34,7 @@ class PendingDecode:
     # queues the sampler (`following` links it to this one until then).
     logits: Any = None
     following: PendingDecode | None = None
+    captured: Any = None  # [rows, layers + 1, H] on device when a row asked for return_hidden (`DecodePlan.capture`)
 
     @property
     def collected(self) -> bool:

@@ -51,6 +51,8 @@ class StepRules:
     vocab_size: int
     verify_width: int = 0  # positions per row of a speculative verify step (k + 1); 0: the engine never verifies
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE  # which logprobs the samplers report (prompt logprobs: always raw)
+    num_layers: int = 0  # the model's: the shape of a steered step's vectors [rows, num_layers, hidden_size]
+    hidden_size: int = 0
 
     def rows(self, n: int) -> int:
         """Rows of a step over n requests."""
@@ -101,9 +103,12 @@ class PrefillPlan:
     selector: Any = None  # int32 [rows]: row b runs hooks[selector[b] - 1] (0: none); None when no row has a hook
     targets: Any = None  # int32 [rows, width]: prompt token after each position; None: no row scores its prompt
     scored: Any = None  # bool [rows]: rows whose prompt positions are scored (with `targets`)
+    steer: Any = None  # float32 [rows, layers, hidden]: added to row b's stream after each layer (None: no row
+    # steers; `SamplingParams.steer`); data, so every set of vectors runs one program
     kv_len: int = static(0)
     hooks: tuple = static(())
     num_top: int = static(0)  # top logprobs per scored position (the engine asks for all it can: one program)
+    capture: bool = static(False)  # return each row's residual stream at its last token (SamplingParams.return_hidden)
 
     @property
     def rows(self) -> int:
@@ -120,9 +125,11 @@ class DecodePlan:
     slots: Any  # int32 [rows]
     active: Any  # bool [rows]
     selector: Any = None  # as PrefillPlan.selector
+    steer: Any = None  # as PrefillPlan.steer
     kv_len: int = static(0)
     dense: bool = static(False)  # row i is slot i for every slot (StepRules.dense)
     hooks: tuple = static(())
+    capture: bool = static(False)  # as PrefillPlan.capture
 
     @property
     def rows(self) -> int:
@@ -168,6 +175,7 @@ class VerifyPlan:
     starts: Any  # int32 [rows]
     lengths: Any  # int32 [rows]: 1 + draft length; 0 for padding rows
     selector: Any = None  # as PrefillPlan.selector
+    steer: Any = None  # as PrefillPlan.steer
     kv_len: int = static(0)
     hooks: tuple = static(())
 
@@ -209,6 +217,18 @@ def row_selector(rows: Rows) -> tuple[np.ndarray | None, tuple]:
     return selector, hooks
 
 
+def row_steering(rules: StepRules, rows: Rows) -> np.ndarray | None:
+    """The steering vectors of a step's rows, float32 [len(rows), layers, hidden] (zero where a row or layer has
+    none), or None when no row steers: an unsteered batch compiles exactly the programs it would without steering."""
+    steered = [(i, r.steering) for i, r in enumerate(rows) if r is not None and r.steering is not None]
+    if not steered:
+        return None
+    steer = np.zeros((len(rows), rules.num_layers, rules.hidden_size), np.float32)
+    for i, table in steered:
+        steer[i] = table
+    return steer
+
+
 def top_count(rows: Rows) -> int:
     """Top logprobs the sampler returns for these rows: all it can (one program) when any asked, else none."""
     return MAX_LOGPROBS if any(r is not None and r.sampling.logprobs for r in rows) else 0
@@ -242,11 +262,14 @@ def prefill_plans(rules: StepRules, chunks: Sequence[tuple[BatchedRequest, int]]
         if req.sampling.prompt_logprobs is not None:
             counts[i] = scored_positions(req, begin, n)
             targets[i, :counts[i]] = req.prompt_tokens[begin + 1: begin + 1 + counts[i]]
-    selector, hooks = row_selector([r for r, _ in chunks])
+    padded = [r for r, _ in chunks] + [None] * (rows - len(chunks))
+    selector, hooks = row_selector(padded)
     scored = counts.any()  # only a chunk with a row that asked pays for every position's logits
     plan = PrefillPlan(tokens, slots, starts, lengths, selector, targets if scored else None,
-                       counts > 0 if scored else None, kv_len=rules.kv_len(int((starts + lengths).max())),
-                       hooks=hooks, num_top=MAX_LOGPROBS if scored else 0)
+                       counts > 0 if scored else None, row_steering(rules, padded),
+                       kv_len=rules.kv_len(int((starts + lengths).max())), hooks=hooks,
+                       num_top=MAX_LOGPROBS if scored else 0,
+                       capture=any(final[i] and r.sampling.return_hidden for i, (r, _) in enumerate(chunks)))
     if not final.any():
         return plan, None
     requests = [r for r, _ in chunks]
@@ -280,7 +303,8 @@ def decode_plans(rules: StepRules, running: Sequence[BatchedRequest], reach: Cal
             slots[i] = r.slot_id
     selector, hooks = row_selector(rows)
     last = max(reach(r) for r in running)
-    plan = DecodePlan(slots, active, selector, kv_len=rules.kv_len(last + 1), dense=dense, hooks=hooks)
+    plan = DecodePlan(slots, active, selector, row_steering(rules, rows), kv_len=rules.kv_len(last + 1), dense=dense,
+                      hooks=hooks, capture=any(r is not None and bool(r.sampling.return_hidden) for r in rows))
     sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in rows],
                              [r.seed if r else 0 for r in rows])
     limits = pack_limits(rows, rules.vocab_size) or (None, None, None)
@@ -302,8 +326,8 @@ def verify_plans(rules: StepRules, running: Sequence[BatchedRequest], drafts: Se
         steps[i], counts[i] = len(req.generated_tokens), len(d)
     padded = list(running) + [None] * (rows - n)
     selector, hooks = row_selector(padded)
-    plan = VerifyPlan(tokens, slots, starts, lengths, selector, kv_len=rules.kv_len(int((starts + lengths).max())),
-                      hooks=hooks)
+    plan = VerifyPlan(tokens, slots, starts, lengths, selector, row_steering(rules, padded),
+                      kv_len=rules.kv_len(int((starts + lengths).max())), hooks=hooks)
     sampling = pack_sampling([r.sampling for r in running], [r.seed for r in running], pad_to=rows)
     return padded, plan, VerifySamplePlan(slots, lengths > 0, steps, starts, sampling, draft, counts,
                                           num_top=top_count(padded), logprobs_mode=rules.logprobs_mode)
@@ -330,9 +354,12 @@ class Signature(NamedTuple):
     width: int = 0  # prefill chunk bucket (verify: its width, k + 1)
     kv_len: int = 0  # attention length bucket
     num_top: int = 0  # top logprobs the sampler returns
+    steered: bool = False  # a forward step with steering vectors (`PrefillPlan.steer`): its own program
+    captured: bool = False  # a prefill or decode step returning the residual stream (`PrefillPlan.capture`)
 
 
-def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool = False) -> list[Signature]:
+def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool = False, steering: bool = False,
+               return_hidden: bool = False) -> list[Signature]:
     """Every step signature an engine with these rules can call; each sampler follows a forward step over its rows,
     each device-fed decode a sampler. `prompt_logprobs` adds the prefill variant that scores prompt tokens (one per
     prefill shape: as many compiles again as the plain prefill, which is why it is opt-in); `structured` the
@@ -358,9 +385,18 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
             w = rules.verify_width
             calls += [Signature("verify", r, w, k) for k in kv_lens]
             calls += [Signature("sample_verify", r, w, num_top=t) for t in tops]
+    if steering:  # every forward step again with steering vectors (one program each, whatever the vectors)
+        calls += [c._replace(steered=True) for c in calls if c.step in ("prefill", "decode", "verify")]
+    if return_hidden:  # prefill and decode again returning the residual stream (SamplingParams.return_hidden)
+        calls += [c._replace(captured=True) for c in calls if c.step in ("prefill", "decode")]
     if rules.num_slots > 1:  # a prefix is copied from another slot only
         calls.append(Signature("copy_prefix"))
     return calls
+
+
+def empty_steer(rules: StepRules, call: Signature) -> np.ndarray | None:
+    """A steered signature's (zero) steering vectors, else None."""
+    return np.zeros((call.rows, rules.num_layers, rules.hidden_size), np.float32) if call.steered else None
 
 
 def empty_prefill(rules: StepRules, call: Signature) -> PrefillPlan:
@@ -369,14 +405,16 @@ def empty_prefill(rules: StepRules, call: Signature) -> PrefillPlan:
     empty = np.zeros((r, call.width), np.int32)
     scored = call.step == "prefill_scored"
     return PrefillPlan(empty, zeros, zeros, zeros, None, empty if scored else None,
-                       np.zeros(r, bool) if scored else None, kv_len=call.kv_len, num_top=MAX_LOGPROBS if scored else 0)
+                       np.zeros(r, bool) if scored else None, empty_steer(rules, call), kv_len=call.kv_len,
+                       num_top=MAX_LOGPROBS if scored else 0, capture=call.captured)
 
 
 def empty_decode(rules: StepRules, call: Signature) -> DecodePlan:
     """A decode step of `call`'s shape over inactive rows."""
     dense = rules.dense(call.rows)
     slots = np.arange(call.rows, dtype=np.int32) if dense else np.zeros(call.rows, np.int32)
-    return DecodePlan(slots, np.zeros(call.rows, bool), kv_len=call.kv_len, dense=dense)
+    return DecodePlan(slots, np.zeros(call.rows, bool), steer=empty_steer(rules, call), kv_len=call.kv_len,
+                      dense=dense, capture=call.captured)
 
 
 def empty_sample(rules: StepRules, call: Signature) -> SamplePlan:
@@ -396,7 +434,8 @@ def empty_sample(rules: StepRules, call: Signature) -> SamplePlan:
 def empty_verify(rules: StepRules, call: Signature) -> VerifyPlan:
     """A verify step of `call`'s shape over zero-length rows."""
     zeros = np.zeros(call.rows, np.int32)
-    return VerifyPlan(np.zeros((call.rows, call.width), np.int32), zeros, zeros, zeros, kv_len=call.kv_len)
+    return VerifyPlan(np.zeros((call.rows, call.width), np.int32), zeros, zeros, zeros, steer=empty_steer(rules, call),
+                      kv_len=call.kv_len)
 
 
 def empty_verify_sample(rules: StepRules, call: Signature) -> VerifySamplePlan:

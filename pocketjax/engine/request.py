@@ -45,6 +45,10 @@ class BatchedRequest:
     matcher: Any = None
     # with sampling.min_tokens / logit_bias / allowed_token_ids / bad_words: its `processors.TokenLimits`
     limits: Any = None
+    # with sampling.steer: its vectors as float32 [layers, hidden] (zero rows where it steers no layer)
+    steering: Any = None
+    # with sampling.return_hidden: one float32 [len(return_hidden), hidden] per generated token
+    hidden: list = field(default_factory=list)
     error: Exception | None = None  # why the engine ended it (finish_reason "error"): the grammar could not continue
 
     @property
@@ -69,6 +73,8 @@ class Completion:
     request_id: Any = None
     # aligned with prompt_tokens when sampling.prompt_logprobs was set (entry 0 None), else empty
     prompt_logprobs: list[tuple[float, dict[int, float]] | None] = field(default_factory=list)
+    # with sampling.return_hidden: [len(token_ids), len(return_hidden), hidden] float32 (None otherwise)
+    hidden: Any = None
 
 
 def batch(requests: Sequence[BatchedRequest]) -> Sequence[BatchedRequest]:

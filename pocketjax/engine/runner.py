@@ -117,17 +117,18 @@ class Device:
         return kind.function.lower(*lead, plan, config=self.config, impl=self.impl)
 
     def warmup(self, rules: StepRules, progress: bool = True, prompt_logprobs: bool = False,
-               structured: bool = False) -> int:
+               structured: bool = False, steering: bool = False, return_hidden: bool = False) -> int:
         """Compile every signature of `rules` (`plan.signatures`) with plans that write nothing, so slots, their
         cached prefixes and the slot state are unchanged; returns how many were new (0 once warm).
 
         Afterwards no mix of prompt lengths, batch sizes, sampling options, logprobs or prefix reuse compiles again.
         Requests with `prompt_logprobs` compile their prefill variant on first use unless `prompt_logprobs=True`
-        compiles it here too; `structured` compiles the masked samplers (structured outputs) as well.
+        compiles it here too; `structured` compiles the masked samplers (structured outputs) as well; `steering` the
+        forward steps with steering vectors, `return_hidden` the prefill and decode steps that return the stream.
         """
         before = compiled_count()
         logits: dict[tuple[str, int], Any] = {}  # (kind of logits, rows) -> the latest forward step's
-        calls = signatures(rules, prompt_logprobs, structured)
+        calls = signatures(rules, prompt_logprobs, structured, steering, return_hidden)
         if calls:  # the first forward and sampler calls see the cache and slot state as allocated, and a step may
             # return them in another form (on a mesh, the state comes back replicated over it): run both again
             calls += [calls[0], next(c for c in calls if c.step == "sample_first")]
@@ -141,6 +142,6 @@ class Device:
                 self.run(call.step, logits[kind.logits, call.rows], kind.empty(rules, call))
             else:
                 out = self.run(call.step, kind.empty(rules, call))
-                logits[kind.logits, call.rows] = out[0] if isinstance(out, tuple) else out
+                logits[kind.logits, call.rows] = out[0] if isinstance(out, tuple) else out  # (prefill, decode: tuples)
         jax.block_until_ready((self.cache, self.state))
         return compiled_count() - before

@@ -53,7 +53,7 @@ def _as_tuple(value: object) -> object:
     """Lists become tuples and a lone value a 1-tuple, so params stay hashable; anything else is left for validate()."""
     if isinstance(value, (str, int, np.integer)):
         return (value,)
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, range, np.ndarray)):
         return tuple(value)
     return value
 
@@ -81,6 +81,15 @@ class SamplingParams:
     # whole batch, chunk by chunk). Hashed by identity: each new one compiles new engine programs (`steps.row_hooks`).
     # Python API only: the server never sets it.
     hook: Callable[[Any, Any], Any] | None = None
+    # Steering vectors as data: {layer: vector [hidden]} added to this request's residual stream after that layer
+    # (where a hook sees it, after the hook), in prefill and decode. Unlike a hook, any vectors run the same
+    # programs (`Engine.warmup(steering=True)` compiles them). Kept as sorted (layer, floats) pairs; scale a vector
+    # yourself to steer harder.
+    steer: Any = None
+    # Activations from generation: for each generated token, the residual stream at the position whose logits gave
+    # it (after the embedding = 0, after layer i = i + 1: `pj.logits(return_hidden=True)`'s indices) at these
+    # indices, in `Completion.hidden` [tokens, len(return_hidden), hidden] float32. Prompt positions: pj.logits.
+    return_hidden: tuple[int, ...] = ()
     # What the output must match (a JSON schema, JSON object, regex, choice or grammar: `structured.Structured`);
     # the sampler only draws tokens it allows (the reported logprobs follow the engine's `logprobs_mode`: raw by
     # default, the constrained distribution under "processed_*").
@@ -111,7 +120,25 @@ class SamplingParams:
         elif isinstance(self.logit_bias, list):
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) if isinstance(pair, list) else pair
                                                          for pair in self.logit_bias))
+        hidden = self.return_hidden
+        object.__setattr__(self, "return_hidden", _as_tuple(hidden) if hidden is not None else ())
         object.__setattr__(self, "structured", as_structured(self.structured))  # a dict: dataclasses.asdict's form
+        if isinstance(self.steer, dict):
+            try:
+                object.__setattr__(self, "steer", tuple(sorted(
+                    (layer, tuple(float(x) for x in np.asarray(v, np.float32).reshape(-1)))
+                    for layer, v in self.steer.items())))
+            except (TypeError, ValueError):
+                pass  # validate() names it
+        elif isinstance(self.steer, list):  # dataclasses.asdict's form (lockstep) of the pairs
+            object.__setattr__(self, "steer", tuple((p[0], tuple(p[1])) if isinstance(p, (list, tuple)) and len(p) == 2
+                                                    else p for p in self.steer))
+
+    @property
+    def cache_tag(self) -> Any:
+        """What the K/V this request writes depend on besides its tokens (a slot's cached prefix serves only
+        requests with the same tag): its hook and steering."""
+        return self.hook if not self.steer else (self.hook, self.steer)
 
     @property
     def limited(self) -> bool:
@@ -174,6 +201,13 @@ class SamplingParams:
             hash(self.hook)  # a static argument of the jitted steps
         except TypeError:
             fail("hook", "must be hashable (a function, or a frozen callable object)")
+        steer = self.steer
+        if steer is not None and not (isinstance(steer, tuple) and all(
+                isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and isinstance(p[1], tuple)
+                and all(_is_f32(x) for x in p[1]) for p in steer)):
+            fail("steer", "must be None or a dict {layer (int >= 0): vector of finite floats}")
+        if not isinstance(self.return_hidden, tuple) or not all(_is_int(i) and i >= 0 for i in self.return_hidden):
+            fail("return_hidden", "must be a sequence of layer indices >= 0 (0: the embedding output)")
         self._validate_limits(vocab_size)
         for name in ("skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):

@@ -145,8 +145,9 @@ class StepClock:
 
 def drafts_nothing(req: BatchedRequest) -> bool:
     """Requests that never draft: structured outputs and token limits (`processors`: their tokens are constrained
-    by a mask and bias the verify step does not apply)."""
-    return getattr(req.sampling, "structured", None) is not None or req.sampling.limited
+    by a mask and bias the verify step does not apply), and requests capturing activations (a verify returns none)."""
+    return (getattr(req.sampling, "structured", None) is not None or req.sampling.limited
+            or bool(req.sampling.return_hidden))
 
 
 class Speculator:

@@ -86,20 +86,21 @@ def row_hooks(hooks: tuple[Hook, ...], selector: jax.Array | None) -> Hook | Non
 
 @partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
 def prefill_step(params, cache: KVCache, plan: PrefillPlan, *, config: ModelConfig, impl: str
-                 ) -> tuple[KVCache, jax.Array, SampleOutput | None]:
-    """Write one prompt chunk per row into the cache; logits [B, vocab] of each row's last chunk token, and with
-    `plan.targets` each position's log-probability of the token after it (`score_positions`; None otherwise).
+                 ) -> tuple[KVCache, jax.Array, SampleOutput | None, jax.Array | None]:
+    """Write one prompt chunk per row into the cache; logits [B, vocab] of each row's last chunk token, with
+    `plan.targets` each position's log-probability of the token after it (`score_positions`; None otherwise), and
+    with `plan.capture` the residual stream at each row's last token [B, layers + 1, H] (None otherwise).
 
     Scoring is a variant of its own (another treedef, so another program), run only for chunks where some row asked
     for prompt logprobs: the plain step never computes the [T, vocab] logits of every position.
     """
     hook = row_hooks(plan.hooks, plan.selector)
     args = (params, config, impl, plan.kv_len, cache, plan.tokens, plan.slots, plan.starts, plan.lengths)
-    if plan.targets is None:
-        cache, logits = prefill_forward(*args, hook=hook)
-        return cache, logits, None
-    cache, logits, hidden = prefill_forward(*args, return_hidden=True, hook=hook)
-    return cache, logits, score_positions(params, hidden, plan.targets, plan.scored, plan.num_top)
+    scoring = plan.targets is not None
+    cache, logits, *rest = prefill_forward(*args, return_hidden=scoring, hook=hook, steer=plan.steer,
+                                           capture=plan.capture)
+    scores = score_positions(params, rest.pop(0), plan.targets, plan.scored, plan.num_top) if scoring else None
+    return cache, logits, scores, rest[0] if plan.capture else None
 
 
 def score_positions(params: Params, hidden: jax.Array, targets: jax.Array, scored: jax.Array,
@@ -124,13 +125,15 @@ def score_positions(params: Params, hidden: jax.Array, targets: jax.Array, score
 
 @partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
 def decode_step(params, cache: KVCache, state: SlotState, plan: DecodePlan, *, config: ModelConfig, impl: str
-                ) -> tuple[KVCache, jax.Array]:
+                ) -> tuple[KVCache, jax.Array, jax.Array | None]:
     """One token per row, each its slot's last sampled token at its slot's position (`state`, read, not donated:
     the sampler after this step writes it); `plan.dense`: row i is slot i for every slot, so attention reads the
-    cache in place."""
+    cache in place. With `plan.capture`, also the residual stream of every row [B, layers + 1, H] (else None)."""
     positions = jnp.where(plan.active, state.position[plan.slots], 0)
-    return decode_forward(params, config, impl, plan.kv_len, cache, state.token[plan.slots], plan.slots, positions,
-                          plan.active, dense=plan.dense, hook=row_hooks(plan.hooks, plan.selector))
+    cache, logits, *captured = decode_forward(
+        params, config, impl, plan.kv_len, cache, state.token[plan.slots], plan.slots, positions, plan.active,
+        dense=plan.dense, hook=row_hooks(plan.hooks, plan.selector), steer=plan.steer, capture=plan.capture)
+    return cache, logits, captured[0] if plan.capture else None
 
 
 @partial(jax.jit, donate_argnames=("state",))
@@ -170,7 +173,7 @@ def verify_step(params, cache: KVCache, plan: VerifyPlan, *, config: ModelConfig
     float32 logits [rows, verify_width, vocab] at every position (positions past a row's length are garbage)."""
     cache, _, hidden = prefill_forward(params, config, impl, plan.kv_len, cache, plan.tokens, plan.slots,
                                        plan.starts, plan.lengths, return_hidden=True,
-                                       hook=row_hooks(plan.hooks, plan.selector))
+                                       hook=row_hooks(plan.hooks, plan.selector), steer=plan.steer)
     return cache, lm_head(params, hidden)
 
 

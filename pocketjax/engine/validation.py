@@ -44,11 +44,31 @@ def check_request(req: BatchedRequest, model: Model, max_seq_len: int, constrain
         raise SamplingError(f"request {req.request_id!r}: SamplingParams.bad_words needs an engine with a "
                             f"tokenizer (Engine(model, tokenizer=...); LLM passes its own)")
     check_hook(req, model, checked_hooks)
+    steering_table(req, model)
+    if any(i > model.config.num_layers for i in req.sampling.return_hidden):
+        raise SamplingError(f"request {req.request_id!r}: SamplingParams.return_hidden indexes [0, "
+                            f"{model.config.num_layers}] (0: the embedding output, i: after layer i - 1), got "
+                            f"{list(req.sampling.return_hidden)}")
     if req.sampling.structured is not None:
         if constrainer is None:
             raise StructuredOutputError(f"request {req.request_id!r}: structured outputs need an engine with a "
                                         f"tokenizer (Engine(model, tokenizer=...); LLM passes its own)")
         constrainer.compile(req.sampling.structured)
+
+
+def steering_table(req: BatchedRequest, model: Model) -> np.ndarray | None:
+    """req's steering vectors as float32 [layers, hidden] (None: it steers nothing); SamplingError for a layer the
+    model does not have or a vector of the wrong length."""
+    if not req.sampling.steer:
+        return None
+    c = model.config
+    table = np.zeros((c.num_layers, c.hidden_size), np.float32)
+    for layer, vector in req.sampling.steer:
+        if layer >= c.num_layers or len(vector) != c.hidden_size:
+            raise SamplingError(f"request {req.request_id!r}: SamplingParams.steer maps layers [0, {c.num_layers}) to "
+                                f"vectors of {c.hidden_size} floats, got layer {layer} with {len(vector)}")
+        table[layer] = vector
+    return table
 
 
 def check_hook(req: BatchedRequest, model: Model, checked_hooks: set[Hook]) -> None:

@@ -105,40 +105,44 @@ Hook = Callable[[Any, jax.Array], jax.Array]
 
 
 def layer_stack(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array, attend: Attend,
-                state: Any, hook: Hook | None = None, keep_hidden: bool = False
+                state: Any, hook: Hook | None = None, keep_hidden: bool = False, steer: jax.Array | None = None
                 ) -> tuple[jax.Array, Any, jax.Array | None]:
     """Embedding and every decoder layer: (residual stream after the last layer [B, T, H], the attend state,
     with `keep_hidden` the stream after the embedding and after every layer [layers + 1, B, T, H], else None).
 
     `hook(layer, x)` rewrites the residual stream after each layer (what the next layer and the hidden states see);
     `layer` is a Python int in the unrolled layout and a traced int32 scalar under scan (compare it with
-    `jnp.where(layer == n, ...)`, not `if`). Stacked layers run as one `lax.scan` carrying (x, state): the attend
-    state (the KV cache) is updated in place inside it, and `attend` receives the traced layer index.
+    `jnp.where(layer == n, ...)`, not `if`). `steer` [B, layers, H] (steering vectors as data: one program whatever
+    their values) is added to row b's stream after layer i, after the hook; a zero row is a no-op. Stacked layers
+    run as one `lax.scan` carrying (x, state): the attend state (the KV cache) is updated in place inside it, and
+    `attend` receives the traced layer index.
     """
     x = quant.embed(params["embed"], tokens, params["final_norm"].dtype)
     cos, sin = layers.rope_tables(config, positions, x.dtype)
     b, t, _ = x.shape
     eps = config.rms_norm_eps
 
-    def layer(i, p, x, state):
+    def layer(i, p, x, state, add=None):
         q, k, v = layers.qkv_projection(p, config, layers.rms_norm(x, p["input_norm"], eps), cos, sin)
         out, state = attend(i, q, k, v, state)
         x = x + layers.linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"))
         x = x + layers.swiglu(p, layers.rms_norm(x, p["post_norm"], eps))
-        return x if hook is None else hook(i, x), state
+        x = x if hook is None else hook(i, x)
+        return x if add is None else x + add[:, None, :].astype(x.dtype), state
 
     first = x
     if is_stacked(params):
         def body(carry, xs):
-            x, state = layer(*xs, *carry)
+            x, state = layer(*xs[:2], *carry, *xs[2:])
             return (x, state), x if keep_hidden else None
 
-        (x, state), after = jax.lax.scan(body, (x, state), (jnp.arange(config.num_layers), params["layers"]),
-                                         unroll=SCAN_UNROLL)
+        xs = (jnp.arange(config.num_layers), params["layers"])
+        xs += () if steer is None else (jnp.swapaxes(steer, 0, 1),)  # [layers, B, H]: layer i's vectors
+        (x, state), after = jax.lax.scan(body, (x, state), xs, unroll=SCAN_UNROLL)
     else:
         after = []
         for i, p in enumerate(params["layers"]):
-            x, state = layer(i, p, x, state)
+            x, state = layer(i, p, x, state, None if steer is None else steer[:, i])
             after.append(x)
         after = jnp.stack(after) if keep_hidden else None
     hidden = jnp.concatenate([first[None], after]) if keep_hidden else None
@@ -146,10 +150,12 @@ def layer_stack(params: Params, config: ModelConfig, tokens: jax.Array, position
 
 
 def run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,
-               attend: Attend, state: Any, hook: Hook | None = None) -> tuple[jax.Array, Any]:
-    """Embedding and every decoder layer; returns the final-normed hidden states [B, T, H] and the attend state."""
-    x, state, _ = layer_stack(params, config, tokens, positions, attend, state, hook)
-    return layers.rms_norm(x, params["final_norm"], config.rms_norm_eps), state
+               attend: Attend, state: Any, hook: Hook | None = None, steer: jax.Array | None = None,
+               keep: bool = False) -> tuple[jax.Array, Any, jax.Array | None]:
+    """Embedding and every decoder layer; returns the final-normed hidden states [B, T, H], the attend state and,
+    with `keep`, the residual stream after the embedding and every layer [layers + 1, B, T, H] (else None)."""
+    x, state, stream = layer_stack(params, config, tokens, positions, attend, state, hook, keep, steer)
+    return layers.rms_norm(x, params["final_norm"], config.rms_norm_eps), state, stream
 
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
@@ -191,8 +197,8 @@ def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dt
 
 def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, cache: KVCache,
                     tokens: jax.Array, slots: jax.Array, starts: jax.Array, lengths: jax.Array,
-                    return_hidden: bool = False, hook: Hook | None = None
-                    ) -> tuple[KVCache, jax.Array] | tuple[KVCache, jax.Array, jax.Array]:
+                    return_hidden: bool = False, hook: Hook | None = None, steer: jax.Array | None = None,
+                    capture: bool = False) -> tuple:
     """Write a chunk tokens [B, T] (row b: `lengths[b]` valid tokens at `starts[b]`..) into cache rows `slots`.
 
     Returns the updated cache and the logits [B, vocab] of each row's last valid token. Attention reads cache
@@ -200,6 +206,8 @@ def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int,
     `return_hidden` (static) also returns the final-normed hidden states [B, T, H] of every position, for prompt
     log-probabilities; a flag rather than always, so the plain step never writes them out.
     `hook`: as in `layer_stack`, over the whole chunk (the engine's per-row selection: `steps.row_hooks`).
+    `capture` (static) also returns, last, the residual stream at each row's last valid token after the embedding
+    and every layer [B, layers + 1, H] (`pj.logits(return_hidden=True)`'s entries at that position).
     """
     b, t = tokens.shape
     offsets = jnp.arange(t, dtype=jnp.int32)
@@ -215,18 +223,20 @@ def prefill_forward(params: Params, config: ModelConfig, impl: str, kv_len: int,
         return out, cache
 
     with layers.native_forms(impl == "cpu"):
-        hidden, cache = run_layers(params, config, tokens, positions, attend, cache, hook)
-        last = hidden[jnp.arange(b), jnp.maximum(lengths - 1, 0)]
-        logits = lm_head(params, last)
+        hidden, cache, stream = run_layers(params, config, tokens, positions, attend, cache, hook, steer, capture)
+        at = jnp.maximum(lengths - 1, 0)
+        logits = lm_head(params, hidden[jnp.arange(b), at])
     new_lengths = cache.lengths.at[jnp.where(lengths > 0, slots, cache.num_slots)].set(starts + lengths, mode="drop")
-    out = replace(cache, lengths=new_lengths), logits
-    return (*out, hidden) if return_hidden else out
+    out = (replace(cache, lengths=new_lengths), logits) + ((hidden,) if return_hidden else ())
+    return out + (jnp.swapaxes(stream[:, jnp.arange(b), at], 0, 1),) if capture else out
 
 
 def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, cache: KVCache,
                    tokens: jax.Array, slots: jax.Array, positions: jax.Array, active: jax.Array,
-                   dense: bool = False, hook: Hook | None = None) -> tuple[KVCache, jax.Array]:
-    """One new token per row: tokens [B] at `positions` in cache rows `slots`; returns (cache, logits [B, vocab]).
+                   dense: bool = False, hook: Hook | None = None, steer: jax.Array | None = None,
+                   capture: bool = False) -> tuple:
+    """One new token per row: tokens [B] at `positions` in cache rows `slots`; returns (cache, logits [B, vocab]),
+    with `capture` also the residual stream after the embedding and every layer [B, layers + 1, H].
 
     Inactive rows (padding) write nothing and attend to nothing. `dense` promises row i is slot i for every slot,
     so attention reads the cache rows in place instead of gathering them. `hook`: as in `layer_stack`.
@@ -243,10 +253,12 @@ def decode_forward(params: Params, config: ModelConfig, impl: str, kv_len: int, 
         return out[:, None], cache
 
     with layers.native_forms(impl == "cpu"):
-        hidden, cache = run_layers(params, config, tokens[:, None], positions[:, None], attend, cache, hook)
+        hidden, cache, stream = run_layers(params, config, tokens[:, None], positions[:, None], attend, cache, hook,
+                                           steer, capture)
         logits = lm_head(params, hidden[:, 0])
     new_lengths = cache.lengths.at[jnp.where(active, slots, cache.num_slots)].set(lengths, mode="drop")
-    return replace(cache, lengths=new_lengths), logits
+    out = replace(cache, lengths=new_lengths), logits
+    return out + (jnp.swapaxes(stream[:, :, 0], 0, 1),) if capture else out
 
 
 def default_dtype(config: ModelConfig) -> str:

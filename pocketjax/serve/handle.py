@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..engine.request import BatchedRequest, Completion
 from ..errors import ConfigError
 from .tokenizer import IncrementalDetokenizer, StopStringMatcher, Tokenizer
@@ -215,8 +217,9 @@ class RequestHandle:
             if tail:
                 self._pieces.append(tail)
             text = "".join(self._pieces) if self._detok is not None else None
+            hidden = np.stack(req.hidden[: len(self._tokens)]) if req.sampling.return_hidden and self._tokens else None
             self._completion = Completion(list(self._tokens), text, reason, req.logprobs[: len(self._tokens)],
-                                          list(req.prompt_tokens), req.request_id, list(req.prompt_logprobs))
+                                          list(req.prompt_tokens), req.request_id, list(req.prompt_logprobs), hidden)
             self._wake()
         if observer is not None:
             observer.ended(self, reason)

@@ -117,6 +117,9 @@ class VllmFields(BaseModel):
     prompt_logprobs: int | None = None  # each prompt token's logprob and top-k, in the response's prompt_logprobs
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k (-1: as many as fit)
     use_beam_search: bool | None = None  # not implemented: true is a 400
+    # pocketjax's own: steering vectors {"layer": [hidden_size floats]} added to the residual stream after that
+    # layer (`SamplingParams.steer`: data, no new program)
+    steer: dict[str, list[float]] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -137,7 +140,12 @@ class VllmFields(BaseModel):
     def sampling_extras(self) -> dict[str, Any]:
         given = {name: getattr(self, name) for name in ("min_tokens", "include_stop_str_in_output",
                                                         "skip_special_tokens", "allowed_token_ids", "bad_words")}
-        return {name: value for name, value in given.items() if value is not None}
+        extras = {name: value for name, value in given.items() if value is not None}
+        if self.steer is not None:
+            if not all(k.isdigit() for k in self.steer):
+                raise APIError(400, "steer maps layer numbers (\"0\", \"1\", ...) to vectors", param="steer")
+            extras["steer"] = {int(k): v for k, v in self.steer.items()}
+        return extras
 
     def truncated(self, prompt: list[int], max_seq_len: int) -> list[int]:
         """The prompt's last truncate_prompt_tokens tokens (-1: the most the context holds with one to generate)."""
