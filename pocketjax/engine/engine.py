@@ -18,7 +18,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from ..errors import CapacityError, ConfigError, RequestError
-from ..model.config import read_generation_eos
+from ..model.config import read_eos_ids
 from ..model.decoder import Hook, Model
 from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
@@ -28,7 +28,7 @@ from .config import OFF, EngineConfig, use_compile_cache
 from .pending import PendingDecode, PendingVerify
 from .plan import SamplePlan, Signature, StepRules, decode_plans, prefill_plans, scored_positions
 from .request import BatchedRequest, RequestStatus, batch
-from .sampling import SampleOutput
+from .sampling import SampleOutput, logprob_entry
 from .slots import SlotTable
 from .speculative import Speculator
 from .processors import limits_of
@@ -38,21 +38,6 @@ from .steps import SlotState
 from .validation import check_request, steering_table
 from .verifying import SpeculativeSteps
 from .weights import placed
-
-
-def logprob_entry(out: SampleOutput, index: int | tuple[int, ...], n: int) -> tuple[float, dict[int, float]]:
-    """One token's (logprob, {top id: logprob} of its n best) from host `out` at `index` (row, or row and
-    position), in the engine's logprobs_mode: the format of `BatchedRequest.logprobs` and `.prompt_logprobs`."""
-    ids, values = out.top_ids[index][:n], out.top_logprobs[index][:n]  # -inf: outside the processed distribution
-    return float(out.logprobs[index]), {int(t): float(lp) for t, lp in zip(ids, values) if lp != -np.inf}
-
-
-def read_eos_ids(model: Model) -> frozenset[int]:
-    """EOS ids from generation_config.json (what generate() uses) and config.json."""
-    ids = set(model.config.eos_token_ids)
-    if model.path:  # checked: ids in the vocabulary, the file inside the checkpoint folder (ConfigError otherwise)
-        ids |= set(read_generation_eos(model.path, model.config.vocab_size))
-    return frozenset(ids)
 
 
 class Engine(SpeculativeSteps):
@@ -72,7 +57,7 @@ class Engine(SpeculativeSteps):
             use_compile_cache(self.config.compile_cache_dir)
         self.impl = resolve_impl(self.config.attention_impl, self.config.kv_dtype,
                                  batch_invariant=self.config.batch_invariant)
-        self.eos_ids = read_eos_ids(model)
+        self.eos_ids = frozenset(read_eos_ids(model.config, model.path))
         self.rng = np.random.default_rng(seed)
         self.device = Device(model.params, model.config, self.impl, model.dtype)  # weights, cache, slot state
         self.slots = SlotTable(0)

@@ -432,3 +432,10 @@ def _gumbel(bits: jax.Array, token_ids: jax.Array) -> jax.Array:
     h = _hash32(_hash32(token_ids + bits[:, :1]) ^ bits[:, 1:])
     u = ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
     return -jnp.log(-jnp.log(u))
+
+
+def logprob_entry(out: SampleOutput, index: int | tuple[int, ...], n: int) -> tuple[float, dict[int, float]]:
+    """One token's (logprob, {top id: logprob} of its n best) from host `out` at `index` (row, or row and
+    position), in the engine's logprobs_mode: the format of `BatchedRequest.logprobs` and `.prompt_logprobs`."""
+    ids, values = out.top_ids[index][:n], out.top_logprobs[index][:n]  # -inf: outside the processed distribution
+    return float(out.logprobs[index]), {int(t): float(lp) for t, lp in zip(ids, values) if lp != -np.inf}

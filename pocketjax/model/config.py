@@ -84,6 +84,13 @@ def read_generation_eos(folder: str | Path, vocab_size: int) -> tuple[int, ...]:
                      "generation_config.json eos_token_id", vocab_size)
 
 
+def read_eos_ids(config: ModelConfig, path: str | Path | None) -> tuple[int, ...]:
+    """EOS ids: config.json's, and generation_config.json's (what generate() stops on) when the checkpoint folder
+    `path` has one (checked: ids in the vocabulary, the file inside the folder; ConfigError otherwise)."""
+    ids = set(config.eos_token_ids) | (set(read_generation_eos(path, config.vocab_size)) if path else set())
+    return tuple(sorted(ids))
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     """RoPE base and scaling; `params` keeps the scaling keys (factor, beta_fast, ...) as a sorted tuple."""
