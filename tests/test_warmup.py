@@ -1,4 +1,4 @@
-"""engine/warmup.py: warm-up compiles every step signature an engine can produce, and leaves its state alone."""
+"""Warm-up (engine/runner.py, Device.warmup) compiles every step signature an engine can produce, and leaves its state alone."""
 import jax
 import numpy as np
 import pytest
