@@ -33,8 +33,11 @@ def model(hf_checkpoint):
 
 @pytest.fixture(scope="module")
 def engines(model):
-    """(plain, speculative) engines of the same sizes: their prefill and decode programs are shared."""
-    return Engine(model, **SIZES), Engine(model, **SIZES, speculative=SPEC)
+    """(plain, speculative) engines of the same sizes: their prefill and decode programs are shared. The speculative
+    one verifies whenever a draft exists: these tests check exactness; the policy on time is tested apart."""
+    spec = Engine(model, **SIZES, speculative=SPEC)
+    spec.speculator.pays = lambda *_: True
+    return Engine(model, **SIZES), spec
 
 
 def prompts(seed: int, lengths, vocab: int) -> list[list[int]]:
@@ -427,6 +430,19 @@ def test_scheduler_cancel_mid_run_frees_the_slot(coder):
     again = spec.generate(CODE, SamplingParams(max_tokens=8, temperature=0.0))[0]
     assert len(again.token_ids) == 8 and spec.engine.num_free_slots == spec.engine.num_slots
     assert not sched.running
+
+
+def test_engine_speculative_step_follows_the_decode_policy(engines, model, monkeypatch):
+    """Engine.batch_speculative_step runs the server's policy (decode_policy.DecodePolicy): where the drafts would not
+    pay (`Speculator.pays` says no) it runs plain steps, with the same tokens."""
+    plain, spec = engines
+    monkeypatch.setattr(spec.speculator, "pays", lambda *_: False)
+    before = accepted(spec)
+    ps = [[5, 6, 7, 8] * 6]  # a loop the drafter predicts
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert ([r.generated_tokens for r in run(spec, ps, sp, True)]
+            == [r.generated_tokens for r in run(plain, ps, sp, False)])
+    assert accepted(spec) == before  # nothing was verified
 
 
 def test_warmup_covers_the_verify_shapes(engines, model):
