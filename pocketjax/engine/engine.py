@@ -254,8 +254,7 @@ class Engine(SpeculativeSteps):
             self._deliver_prompt_logprobs(chunks, prompt_out)
         if first is not None:
             ending = [(i, r) for i, (r, _) in enumerate(chunks) if first.rows_on[i] and not r.finished]
-            self._deliver(ending, out, results)
-            self._keep_hidden(ending, captured)
+            self._deliver(ending, out, results, captured)
 
     @staticmethod
     def _deliver_prompt_logprobs(chunks: list[tuple[BatchedRequest, int]], out: SampleOutput) -> None:
@@ -343,8 +342,7 @@ class Engine(SpeculativeSteps):
         results: dict[int, int] = {}
         if kept:
             fed = [(r.slot_id, r.last_token) for _, r in kept]
-            self._deliver(kept, step.out, results)
-            self._keep_hidden(kept, step.captured)
+            self._deliver(kept, step.out, results, step.captured)
             for slot, token in fed:  # recorded once its row is kept, so a discarded row leaves no trace
                 self.slots.tokens[slot].append(token)
         step.results, step.out, step.captured = [results.get(id(r)) for r in step.requests], None, None
@@ -389,22 +387,15 @@ class Engine(SpeculativeSteps):
         step.out = self.device.run("sample_next", logits, sample)
 
     # ---- shared --------------------------------------------------------------------------------------------------
-    def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int]) -> None:
-        """Move sampled tokens to the host (one transfer) and append them to their requests; end finished ones."""
-        out = to_host(out)
+    def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int],
+                 captured: Any = None) -> None:
+        """Move sampled tokens (and the captured streams [rows, layers + 1, H] when a row asked for return_hidden)
+        to the host in one transfer and append them to their requests; end finished ones."""
+        out, captured = to_host((out, captured))
         for i, req in rows:
-            results[id(req)] = self._append_token(req, out, i)
-
-    @staticmethod
-    def _keep_hidden(rows: list[tuple[int, BatchedRequest]], captured: Any) -> None:
-        """Append the asked layers of each row's captured stream (host read of `captured` [rows, layers + 1, H],
-        None when no row asked) to its request, beside the token just delivered."""
-        if captured is None:
-            return
-        captured = to_host(captured)
-        for i, req in rows:
-            if req.sampling.return_hidden:
+            if req.sampling.return_hidden:  # the stream at the position whose logits gave this token
                 req.hidden.append(np.asarray(captured[i, list(req.sampling.return_hidden)], np.float32))
+            results[id(req)] = self._append_token(req, out, i)
 
     def _append_token(self, req: BatchedRequest, out: SampleOutput, index: int | tuple[int, int]) -> int:
         """Append the token at `index` of host `out` (with its logprobs) to req; end req on a stop token, its grammar's

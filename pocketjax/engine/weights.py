@@ -16,9 +16,10 @@ import numpy as np
 from ..errors import ConfigError
 
 
-def placed(current: Any, new: Any) -> Any:
+def placed(current: Any, new: Any, refuse_copies: str | None = None) -> Any:
     """`new` laid out as `current` (the engine's params): same tree, shapes and dtypes, the engine's shardings; a
-    ConfigError names the first leaf that differs."""
+    ConfigError names the first leaf that differs. With `refuse_copies` (why), a leaf that would have to be placed
+    (not used as it is) is a ConfigError too, saying that."""
     old_leaves, old_tree = jax.tree_util.tree_flatten_with_path(current)
     try:
         new_leaves = old_tree.flatten_up_to(new)
@@ -34,10 +35,15 @@ def placed(current: Any, new: Any) -> Any:
                               f"{old.dtype}{list(old.shape)} (same shapes and dtypes only: no recompile)")
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
             raise ConfigError(f"update_params: params{where} was deleted (donated to another jitted call?)")
-        if isinstance(leaf, jax.Array) and not leaf.weak_type:  # a weak type would compile programs of its own
-            out.append(leaf if leaf.sharding == old.sharding else jax.device_put(leaf, old.sharding))
+        as_is = isinstance(leaf, jax.Array) and not leaf.weak_type  # a weak type would compile programs of its own
+        if as_is and leaf.sharding == old.sharding:
+            out.append(leaf)
+        elif refuse_copies is not None:
+            spec = getattr(old.sharding, "spec", old.sharding)
+            raise ConfigError(f"update_params: params{where} is not a jax.Array on the engine's sharding ({spec}); "
+                              f"{refuse_copies}")
         else:
-            out.append(jax.device_put(np.asarray(leaf), old.sharding))
+            out.append(jax.device_put(leaf if as_is else np.asarray(leaf), old.sharding))
     return jax.tree_util.tree_unflatten(old_tree, out)
 
 

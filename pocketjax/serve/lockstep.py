@@ -39,11 +39,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
-import jax
-
 from ..engine.request import BatchedRequest
 from ..engine.sampling_params import SamplingParams
-from ..errors import ConfigError, DistributedError, PocketJaxError, RequestError, StoppedError
+from ..engine.weights import placed
+from ..errors import DistributedError, PocketJaxError, RequestError, StoppedError
 from .distributed import ProcessGroup
 from .handle import RequestHandle
 from .tokenizer import StopStringMatcher
@@ -263,18 +262,9 @@ class Lockstep(Local):
         """Only leaves used as they are (`weights.placed`: a jax.Array, not weakly typed, on the engine's sharding):
         placing any other (a reshard, or host values that device_put compares across processes) runs collectives
         on the caller's thread, which would interleave with the loop's differently on each process."""
-        olds, tree = jax.tree_util.tree_flatten_with_path(current)
-        try:
-            leaves = tree.flatten_up_to(new)
-        except (ValueError, TypeError):
-            return  # not the engine's tree: `placed` names what differs
-        for (path, old), leaf in zip(olds, leaves):
-            if not (isinstance(leaf, jax.Array) and not leaf.weak_type and leaf.sharding == old.sharding):
-                where, spec = jax.tree_util.keystr(path), getattr(old.sharding, "spec", old.sharding)
-                raise ConfigError(f"update_params in a multi-process job: params{where} is not a jax.Array on the "
-                                  f"engine's sharding ({spec}); placing it would run collectives beside the serving "
-                                  f"loop's. Pass arrays laid out as the engine's, e.g. from a train step jitted with "
-                                  f"out_shardings=jax.tree.map(lambda x: x.sharding, llm.model.params)")
+        placed(current, new, refuse_copies="in a multi-process job placing it would run collectives beside the "
+               "serving loop's. Pass arrays laid out as the engine's, e.g. from a train step jitted with "
+               "out_shardings=jax.tree.map(lambda x: x.sharding, llm.model.params)")
 
     def update(self, entry: Update, updates: deque[Update]) -> None:
         """Process 0: broadcast at the next step. Elsewhere: kept for process 0's call of the same number."""
