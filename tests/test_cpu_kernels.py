@@ -3,6 +3,7 @@ float64 product of the same values in every code path this CPU has, and row-coun
 against the XLA reference for every cache form, and invariant to the batch, the chunk and the cache length; their use
 in `layers.linear` and the engine (single-device programs only); the build: fallback without a compiler, the cache,
 its build key, an unwritable cache."""
+import dataclasses
 import logging
 import os
 import stat
@@ -14,7 +15,7 @@ import pytest
 
 import pocketjax as pj
 from pallas_kernels import reference as attention_reference
-from pocketjax.model import cpu_kernels, layers
+from pocketjax.model import cpu_kernels, layers, quant
 from pocketjax.model.kv_cache import quantize
 from pocketjax.model.sharding import make_mesh
 
@@ -62,6 +63,68 @@ def test_each_row_of_the_product_is_the_same_bits_at_any_row_count(isa, w_dtype)
     full = np.asarray(product(x))
     for start, rows in [(0, 1), (5, 1), (3, 2), (10, 7), (1, 9), (0, 17), (20, 50)]:
         assert np.array_equal(np.asarray(product(x[start:start + rows])), full[start:start + rows]), (start, rows)
+
+
+QUANT_ISAS = sorted({cpu_kernels.resolved_isa_name(jnp.float32, jnp.float32, isa) for isa in ("portable", "avx2")}
+                   if cpu_kernels.available() else [])
+
+
+def quantized_weight(rng, n, k, group, symmetric=False, bits=4):
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[0, :group] = np.abs(w[0, :group]) + 2.0  # an int4 group that does not hold 0 (zero outside 0..15)
+    qw = quant.quantize(w, bits, group if bits == 4 else None)
+    return jax.tree.map(jnp.asarray, dataclasses.replace(qw, zero=None) if symmetric else qw)
+
+
+@pytest.mark.parametrize("isa", QUANT_ISAS)
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+def test_quantized_kernel_is_the_float_kernel_on_the_dequantized_weight_bit_for_bit(isa, x_dtype):
+    """The int8 / int4 product dequantizes in registers exactly as quant.dequantize does in memory, then sums exactly
+    as the float32 kernel: the same bits at 1-4 rows (registers) and over 4 (a dequantized chunk), any group, with or
+    without zeros, so every row is batch-invariant as the float kernel's."""
+    rng = np.random.default_rng(11)
+    kernel = jax.jit(lambda x, w: cpu_kernels.quantized_matmul(x, w, isa))
+    dense = jax.jit(lambda x, w: cpu_kernels.skinny_matmul(x, quant.dequantize(w), isa))
+    for rows, n, k, group, symmetric, bits in [
+            (1, 48, 64, 32, False, 4), (2, 37, 256, 128, False, 4), (3, 20, 96, 16, True, 4), (4, 64, 128, 64, False, 4),
+            (5, 33, 64, 32, False, 4), (8, 80, 512, 128, True, 4), (13, 150, 192, 32, False, 4), (70, 40, 64, 64, False, 4),
+            (1, 48, 64, 64, True, 8), (3, 33, 40, 40, True, 8), (8, 80, 512, 512, True, 8), (13, 150, 192, 192, False, 8)]:
+        w = quantized_weight(rng, n, k, group, symmetric, bits)
+        x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
+        got = kernel(x, w)
+        assert got.dtype == x_dtype and got.shape == (rows, n)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(dense(x, w), np.float32),
+                                      err_msg=str((rows, n, k, group, symmetric, bits)))
+        for start, count in [(0, 1), (rows - 1, 1), (0, min(rows, 6))]:  # each row alone or in a smaller batch
+            np.testing.assert_array_equal(np.asarray(kernel(x[start:start + count], w), np.float32),
+                                          np.asarray(got[start:start + count], np.float32))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kernel_serves_quantized_models_and_differentiates_like_the_dequantized_product(bits):
+    """layers.linear takes the kernel for an int8 / int4 weight in a single-device program (one custom call, no
+    dequantized float32 weight in the program), gives XLA's forms within float32 rounding (int8: within the two
+    activation digits' rounding), and its derivative in x and in the scale is the dequantized product's."""
+    rng = np.random.default_rng(12)
+    w = quantized_weight(rng, 96, 256, 32, bits=bits)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)
+    hlo = jax.jit(lambda x, w: layers.linear(x, w)).lower(x, w).as_text()
+    assert cpu_kernels.QUANTIZED_TARGET in hlo and "f32[96,256]" not in hlo
+    with layers.native_forms(False):
+        xla = jax.jit(lambda x, w: layers.linear(x, w))(x, w)
+    want = np.asarray(x, np.float64) @ np.asarray(quant.dequantize(w), np.float64).T
+    scale = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(quant.dequantize(w), np.float64)).T
+    np.testing.assert_array_less(np.abs(np.asarray(layers.linear(x, w), np.float64) - want), scale * 1e-6 + 1e-30)
+    # XLA's forms: int8 keeps 15 bits of each activation (two digits), int4 sums in another order
+    np.testing.assert_array_less(np.abs(np.asarray(xla, np.float64) - want), scale * 1e-4 + 1e-30)
+
+    def loss(product):
+        return lambda x, scale: (product(x, dataclasses.replace(w, scale=scale)) ** 2).sum()
+
+    want = jax.grad(loss(lambda x, w: x @ quant.dequantize(w).T), argnums=(0, 1))(x, w.scale)
+    got = jax.grad(loss(cpu_kernels.quantized_matmul), argnums=(0, 1))(x, w.scale)
+    for g, r in zip(got, want):  # the forward's sums differ in order, so the cotangents do in the last bits
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=0, atol=1e-5 * float(np.abs(r).max()))
 
 
 CACHE_FORMS = [("float32", jnp.float32), ("bfloat16", jnp.bfloat16), ("int8", jnp.float32),

@@ -1,5 +1,6 @@
 """pocketjax's optional native CPU kernels behind `jax.ffi`, compiled at first use with the system C++ compiler:
-the product of every float weight (`skinny_matmul`, csrc/skinny_matmul.cc) and attention over the slotted cache
+the product of every float weight (`skinny_matmul`, csrc/skinny_matmul.cc), of int8 / int4 weights
+(`quantized_matmul`, same file: dequantized in registers) and attention over the slotted cache
 (`attention`, csrc/attention.cc).
 
 Why native code in a pure-JAX library: (1) batch invariance (issue 43): XLA:CPU chooses its dot and reduction
@@ -38,6 +39,7 @@ import numpy as np
 from pallas_kernels import reference
 
 from ..errors import ConfigError
+from .quant import QuantizedWeight, dequantize
 
 log = logging.getLogger("pocketjax")
 
@@ -46,6 +48,7 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi", "-ffp-contract=o
 # contraction: sums and products as written (FMAs only where the source asks); no -march=native: the ISA is chosen
 # at run time, so a cache shared between CPUs stays correct
 TARGET = "pocketjax_skinny_matmul"
+QUANTIZED_TARGET = "pocketjax_quantized_matmul"
 ATTENTION_TARGET = "pocketjax_attention"
 LIBRARY = "pocketjax_cpu_kernels"
 BLOCK_ROWS = 8  # rows register-blocked in one pass over the weight (more rows: one pass per 8)
@@ -152,6 +155,8 @@ def _library() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PocketjaxSkinnyMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(lib.PocketjaxQuantizedMatmul),
+                                    platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.PocketjaxAttention), platform="cpu")
     except (OSError, AttributeError, ValueError, RuntimeError) as e:
         log.warning("pocketjax cpu kernels: cannot load %s (%s); XLA's forms (not batch-invariant)", path, e)
@@ -219,6 +224,54 @@ def _product_jvp(isa, primals, tangents):
 
     tangent = dot(dx, w) + dot(x, dw)
     return _product(x, w, isa), tangent.astype(x.dtype)
+
+
+def quantized_applies(w: QuantizedWeight) -> bool:
+    """Whether `quantized_matmul` takes `w`: quant.py's int8 or packed int4 [out, in] (2-D, not a scan's stacked
+    [layers, ...]), groups a multiple of 8 (int8) or 16 (int4) columns, columns in input order (no GPTQ perm)."""
+    values = {8: jnp.int8, 4: jnp.uint8}.get(w.bits)
+    return (values is not None and w.values.ndim == 2 and w.values.dtype == values and w.scale.ndim == 2
+            and w.group_size % (16 if w.bits == 4 else 8) == 0 and w.group_size * w.scale.shape[1] == w.shape[1])
+
+
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto") -> jax.Array:
+    """x [rows, in] (float32 or bfloat16) @ W.T for quant.py's int8 or int4 W, in x's dtype: bitwise
+    `skinny_matmul(x, quant.dequantize(W))` on the same code path, but each weight dequantized in registers, so 8 or
+    4.5 bits per weight are read instead of 32 written and read back. Any row count, batch-invariant as
+    skinny_matmul. Differentiable in x and W's scale (XLA's product with the dequantized weight). Call only where
+    `available()` and `quantized_applies(W)`, on one device."""
+    if x.ndim != 2 or not quantized_applies(w) or x.shape[1] != w.shape[1]:
+        raise ConfigError(f"quantized_matmul: x [rows, in] and a 2-D int8 / int4 QuantizedWeight [out, in] with groups "
+                          f"of 8k / 16k columns, got {x.shape} and {w.shape} {w.bits}-bit (group {w.group_size})")
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or isa not in ISAS:
+        raise ConfigError(f"quantized_matmul: x float32 or bfloat16 and isa one of {tuple(ISAS)}, got {x.dtype}, "
+                          f"{isa!r}")
+    if not available():
+        raise ConfigError("quantized_matmul: the CPU kernels are not available in this process (see the log)")
+    zero = jnp.zeros(w.scale.shape, jnp.int8) if w.zero is None else w.zero  # None: symmetric, no subtraction
+    return _quantized_product(x, w.values, w.scale.astype(jnp.float32), zero.astype(jnp.int8), isa, w.zero is not None)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
+def _quantized_product(x, values, scale, zero, isa, has_zero):
+    call = jax.ffi.ffi_call(QUANTIZED_TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), x.dtype),
+                            vmap_method="sequential")
+    return call(x, values, scale, zero, isa=np.int32(ISAS[isa]), has_zero=has_zero)
+
+
+@_quantized_product.defjvp
+def _quantized_product_jvp(isa, has_zero, primals, tangents):
+    """Bilinear in x and scale: XLA's dots with the dequantized weight (and its scale's tangent)."""
+    x, values, scale, zero = primals
+    dx, _, dscale, _ = tangents
+    nk = (((1,), (1,)), ((), ()))
+
+    def weight(s):
+        return dequantize(QuantizedWeight(values=values, scale=s, zero=zero, bits=4 if values.dtype == jnp.uint8 else 8))
+
+    tangent = (jax.lax.dot_general(dx.astype(jnp.float32), weight(scale), nk)
+               + jax.lax.dot_general(x.astype(jnp.float32), weight(dscale), nk))
+    return _quantized_product(x, values, scale, zero, isa, has_zero), tangent.astype(x.dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, starts: jax.Array, q_lengths: jax.Array,

@@ -77,7 +77,8 @@ SKINNY_ROWS = quant.SKINNY_ROWS  # up to this many rows (decode batches), XLA:CP
 
 def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Array | None = None) -> jax.Array:
     """x @ w.T (+ b) for a weight stored [out, in] (HF's layout), or a QuantizedWeight in the same layout (an integer
-    product where `quant.has_integer_product`, else dequantized inside the step and multiplied as a float weight).
+    product where native: the native kernel dequantizing int8 / int4 in registers; elsewhere XLA's integer product where
+    `quant.has_integer_product`, else dequantized inside the step and multiplied as a float weight).
 
     Where `native(x, w)` (CPU, one device, the kernels built): every float product, of any row count, is pocketjax's
     kernel (`cpu_kernels.skinny_matmul`), whose per-row result does not depend on the row count: decode, verify and
@@ -86,7 +87,9 @@ def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Arr
     if isinstance(w, LoraWeight):  # an unmerged LoRA adapter (model/lora.py): base product + its rank-r path
         return linear(x, w.base, b) + opaque(w.lora.apply(x))
     if isinstance(w, QuantizedWeight):
-        y = quant.matmul(x, w, product if native(x, w.scale) else None)
+        fast = native(x, w.scale)
+        kernel = fast and x.dtype in (jnp.float32, jnp.bfloat16) and cpu_kernels.quantized_applies(w)
+        y = quant.matmul(x, w, product if fast else None, cpu_kernels.quantized_matmul if kernel else None)
     else:
         y = product(x, w)
     return y if b is None else y + b

@@ -4,22 +4,25 @@ products.
 
 Schemes (every weight is [out, in], HF's layout, as all linears here):
 - "int8": symmetric per output channel. values int8 in [-127, 127], scale = absmax / 127, float32 [out, 1].
-- "int4": asymmetric, group-wise along the input dim (group 128, see `group_size_for`). values 0..15 packed two per
-  byte within each group: byte j of a group's half-size run holds the group's column j (low nibble) and column
-  j + group/2 (high nibble), so unpacking concatenates two whole runs (`unpack_int4`) instead of interleaving nibbles,
-  which XLA:CPU did at half the speed (Qwen3-0.6B int4 decode, 1 row: 68 vs 139 ms per step). zero int8
-  [out, groups], scale float32 [out, groups],
-  w = (values - zero) * scale over the range [min(w, 0), max(w, 0)] of each group. Asymmetric because: the 16 levels
-  cover the group's actual range (a symmetric grid spends levels on the side the group does not reach); and AWQ and
-  GPTQ checkpoints (asymmetric, or symmetric = zero 8) are exactly this form, so one representation and one
-  dequantization path serve our own int4 and every pre-quantized checkpoint. The zero costs 1 byte per 128 weights.
-- Scales are float32: exact for fp16 checkpoint scales, and the error bound |w - deq| <= scale / 2 holds for the
-  scale actually stored (a rounded 16-bit scale can push the top of a group past level 15).
+- "int4": asymmetric, group-wise along the input dim (group GROUP_SIZE, see `group_size_for`). values 0..15 packed
+  two per byte within each group: byte j of a group's half-size run holds the group's column j (low nibble) and
+  column j + group/2 (high nibble), so unpacking concatenates two whole runs (`unpack_int4`) instead of interleaving
+  nibbles, which XLA:CPU did at half the speed (Qwen3-0.6B int4 decode, 1 row: 68 vs 139 ms per step). zero int8
+  [out, groups], scale float32 [out, groups], w = (values - zero) * scale, fitted per group by `fit_int4` (a search
+  over grids and a least-squares scale, as llama.cpp's k-quants: never worse than the group's range on 16 levels).
+  Asymmetric because: the 16 levels cover the group's actual range (a symmetric grid spends levels on the side the
+  group does not reach); and AWQ and GPTQ checkpoints (asymmetric, or symmetric = zero 8) are exactly this form, so
+  one representation and one dequantization path serve our own int4 and every pre-quantized checkpoint.
+- Scales are float32: exact for fp16 checkpoint scales, and the fitted error is the error of the scale stored.
 - Embedding and lm_head stay in the model dtype. "int8+head" / "int4+head" quantize them too (same bits); a tied
   table [vocab, hidden] is one QuantizedWeight that serves both the token gather (`embed`, rows) and the output
   projection (vocab is its out axis).
 
-Matmul (`layers.linear`): per-channel int8 on CPU is an integer dot (`int8_product`, the weight the dot's row-major
+Matmul (`layers.linear`): in a single-device CPU program with the native kernels built, int8 and int4 weights go to
+`cpu_kernels.quantized_matmul` (csrc/skinny_matmul.cc), which dequantizes each weight in registers exactly as
+`dequantize` does and sums as the float32 kernel: bitwise x @ dequantize(w).T in pocketjax's float form, with full
+precision activations, batch-invariant, reading 8 or 4.5 bits per weight. Elsewhere (a mesh, no compiler):
+per-channel int8 on CPU is an integer dot (`int8_product`, the weight the dot's row-major
 left operand: 15-20x faster than what follows, 2-2.5x faster than float32) with each activation row written as two
 int8 digits (`activation_digits`: x ~= s (hi + lo / 254), s = max|row| / 127), stacked into one dot over 2 x rows.
 Why two digits: real Qwen checkpoints carry a few hidden channels 30-1000x larger than the rest at every token; with
@@ -52,7 +55,8 @@ from ..errors import ConfigError
 from .numerics import opaque
 
 MODES = {"int8": (8, False), "int4": (4, False), "int8+head": (8, True), "int4+head": (4, True)}
-GROUP_SIZE = 128
+GROUP_SIZE = 32  # llama.cpp's block: measured on the embedded model (bench_quant.py), with `fit_int4`, int4 +0.42% perplexity at
+# 32, +0.64% at 64, +0.99% at 128 (Q4_K_M +0.55%, Q4_0 +1.11%); 5.25 bits per weight (Q4_0: 4.5)
 MIN_GROUP_SIZE = 32
 LINEAR_NAMES = frozenset({"q", "k", "v", "o", "gate", "up", "down"})
 HEAD_NAMES = frozenset({"embed", "lm_head"})
@@ -149,13 +153,43 @@ def quantize(w, bits: int, group_size: int | None = None) -> QuantizedWeight:
     size = group_size or group_size_for(w.shape[1])
     if w.shape[1] % size:
         raise ConfigError(f"group_size={size} does not divide the input dim {w.shape[1]}")
-    groups = w.reshape(w.shape[0], w.shape[1] // size, size)
-    lo = np.minimum(groups.min(axis=2), 0)  # the range always holds 0, so zero lies in [0, 15] and nothing clips
-    hi = np.maximum(groups.max(axis=2), 0)
-    scale = np.where(hi > lo, (hi - lo) / np.float32(15), np.float32(1)).astype(np.float32)
-    zero = np.clip(np.rint(-lo / scale), 0, 15)
-    q = np.clip(np.rint(groups / scale[..., None]) + zero[..., None], 0, 15).reshape(w.shape)
-    return QuantizedWeight(values=pack_int4(q, scale.shape[-1]), scale=scale, zero=zero.astype(np.int8), bits=4)
+    parts = [fit_int4(w[i:i + FIT_ROWS].reshape(-1, w.shape[1] // size, size)) for i in range(0, w.shape[0], FIT_ROWS)]
+    q, scale, zero = (np.concatenate(p) for p in zip(*parts))
+    return QuantizedWeight(values=pack_int4(q.reshape(w.shape), scale.shape[-1]), scale=scale, zero=zero, bits=4)
+
+
+FIT_ROWS = 2048  # output rows fitted at once (bounds the host memory of quantizing a large weight)
+STRETCH = tuple(np.linspace(-1.0, 1.0, 21))  # extra levels over a group's range tried by `fit_int4`
+
+
+def fit_int4(groups: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(levels uint8 0..15, scale float32, zero int8) per group of `groups` [..., size], w ~= (levels - zero) * scale,
+    with the least squared error among candidate grids: the range [min(w, 0), max(w, 0)] on 15 steps (the first form:
+    exact for a constant group, never clipping), and the group's own range [min, max] on 15 + d steps for d in
+    STRETCH (llama.cpp's search for its k-quants, make_qkx2_quants: a slightly wider or narrower grid often rounds
+    the bulk of the group better at the cost of its extremes); each grid's scale then refitted by least squares
+    for its levels. Every group's error is at most the first form's. The zero is any int8 (a group need not hold 0)."""
+    groups = groups.astype(np.float32)
+    lo, hi = groups.min(axis=-1), groups.max(axis=-1)
+    grids = [(np.minimum(lo, 0), np.maximum(hi, 0), 15.0)] + [(lo, hi, 15.0 + d) for d in STRETCH]
+    best = None
+    for low, high, steps in grids:
+        scale = np.where(high > low, (high - low) / np.float32(steps), np.float32(1)).astype(np.float32)
+        zero = np.clip(np.rint(-low / scale), -128, 127)
+        levels = np.clip(np.rint(groups / scale[..., None]) + zero[..., None], 0, 15)
+        d = levels - zero[..., None]
+        dd = np.einsum("...i,...i->...", d, d, dtype=np.float64)
+        wd = np.einsum("...i,...i->...", groups, d, dtype=np.float64)
+        fitted = np.where((dd > 0) & (wd > 0), wd / np.where(dd > 0, dd, 1), scale).astype(np.float32)
+        err = np.square(groups - d * fitted[..., None]).sum(axis=-1)
+        if best is None:
+            best = [levels, fitted, zero, err]
+            continue
+        take = err < best[3]
+        best = [np.where(take[..., None], levels, best[0]), np.where(take, fitted, best[1]),
+                np.where(take, zero, best[2]), np.where(take, err, best[3])]
+    levels, scale, zero, _ = best
+    return levels.astype(np.uint8), scale.astype(np.float32), zero.astype(np.int8)
 
 
 def leaf_shapes(out_features: int, in_features: int, bits: int, group_size: int | None = None, perm: bool = False
@@ -208,12 +242,16 @@ def has_integer_product(w: QuantizedWeight) -> bool:
     return w.bits == 8 and w.zero is None and w.scale.shape[-1] == 1 and jax.default_backend() == "cpu"
 
 
-def matmul(x: jax.Array, w: QuantizedWeight, product: Callable | None = None) -> jax.Array:
-    """x @ W.T for a quantized W [out, in], in x's dtype: `int8_product` where it applies (integer sums: exact in
-    any order), else dequantize-then-matmul (see the module docstring for why) with `product(x, w)` (the caller's
-    float product form; default XLA's einsum)."""
+def matmul(x: jax.Array, w: QuantizedWeight, product: Callable | None = None,
+           kernel: Callable | None = None) -> jax.Array:
+    """x @ W.T for a quantized W [out, in], in x's dtype: `kernel(x [rows, in], w)` where given (the caller's native
+    kernel, dequantizing in registers), else `int8_product` where it applies (integer sums: exact in any order), else
+    dequantize-then-matmul (see the module docstring for why) with `product(x, w)` (the caller's float product form;
+    default XLA's einsum)."""
     if w.perm is not None:  # the columns are stored in GPTQ's desc_act order
         x = jnp.take(x, w.perm, axis=-1)
+    if kernel is not None:
+        return kernel(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
     if has_integer_product(w):
         return int8_product(x, w)
     dense = dequantize(after(w, x), x.dtype)

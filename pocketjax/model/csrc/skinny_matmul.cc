@@ -12,6 +12,17 @@
 // or bfloat16 (converted to f32 once, exactly); y is x's dtype (bf16 rounded to nearest even, as XLA's convert).
 // Output features are split over XLA's intra-op thread pool.
 //
+// Quantized weights (`PocketjaxQuantizedMatmul`), quant.py's forms: int8 values [out, in] or int4 values uint8
+// [out, in/2] (in each group of `gs` columns byte j holds column j in its low nibble and column j + gs/2 in its high
+// one), scale float32 and zero int8 [out, in/gs]. Each weight is dequantized in registers as (q - zero) * scale, two
+// roundings as XLA computes quant.dequantize, and multiplied exactly as the float32 path multiplies that
+// dequantized weight (the same lanes, order and horizontal sum): the result is bitwise the float32 kernel's on
+// `dequantize(w)`, while 8 or 4.5 bits per weight are read from memory instead of 32 (and of the 36 or 40 that
+// dequantizing into memory first cost). Up to kMaxRows rows run in one register block (each weight dequantized once for
+// all of them); over kMaxRows (prefill) each chunk is dequantized once into a per-thread float32 buffer kept in L2 and
+// the float32 code runs on it. AVX2 or portable code only (an AVX-512 CPU runs the AVX2 path, and so does the float32
+// code on the buffer, so a row's bits never depend on how many rows share the call).
+//
 // ISA, chosen at run time (__builtin_cpu_supports): for a bf16 x AVX512_BF16's vdpbf16ps (32 products per
 // instruction: at 2-8 rows an FMA path is compute bound on a slow core), else AVX-512 (F+BW+VL) or AVX2+FMA, else
 // a portable loop the compiler vectorizes for the base ISA (e.g. aarch64 NEON). The `isa` attribute forces one
@@ -70,6 +81,24 @@ struct Job {
   void* y;            // [R, N] f32 or bf16 (y_bf16)
   bool y_bf16;
   int64_t R, K, N;
+  // Quantized weights instead of w: values [N, K * bits / 8], scale f32 [N, G], zero s8 [N, G], groups of gs columns
+  // (int4: a multiple of 16, in two runs of gs / 2, the low then the high nibbles; int8: a multiple of 8, one run).
+  const uint8_t* qv = nullptr;
+  const float* scale = nullptr;
+  const int8_t* zero = nullptr;
+  int64_t gs = 0;
+  int bits = 0;
+
+  // Weight row n's columns [k, k + 8) of group g, run `run`, offset o, dequantized (portable form): out[l].
+  inline void Dequant8(int64_t n, int64_t g, int run, int64_t o, float* out) const {
+    const int64_t len = bits == 4 ? gs / 2 : gs;
+    const uint8_t* v = qv + n * (K * bits / 8) + g * len + o;
+    const float s = scale[n * (K / gs) + g], z = static_cast<float>(zero[n * (K / gs) + g]);
+    for (int l = 0; l < 8; ++l) {
+      const int q = bits == 8 ? static_cast<int>(static_cast<int8_t>(v[l])) : (run ? v[l] >> 4 : v[l] & 15);
+      out[l] = (static_cast<float>(q) - z) * s;
+    }
+  }
 
   inline void Store(int64_t r, int64_t n, float v) const {
     if (y_bf16)
@@ -105,6 +134,41 @@ void RowsPortable(const Job& j, int64_t n0, int64_t n1) {
   }
 }
 
+// Quantized weights, portable: RowsPortable<float>'s lanes and order over the weight dequantized 8 columns at a time.
+template <int R>
+void RowsQuantPortable(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t K = j.K, gs = j.gs;
+  const int runs = j.bits == 4 ? 2 : 1;
+  const int64_t len = gs / runs;
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[R][8] = {};
+    for (int64_t g = 0; g < K / gs; ++g)
+      for (int run = 0; run < runs; ++run)
+        for (int64_t o = 0; o < len; o += 8) {
+          float wf[8];
+          j.Dequant8(n, g, run, o, wf);
+          const float* xk = j.x + g * gs + run * len + o;
+          for (int r = 0; r < R; ++r)
+            for (int l = 0; l < 8; ++l) acc[r][l] += wf[l] * xk[r * K + l];
+        }
+    for (int r = 0; r < R; ++r) {
+      float s = 0.f;
+      for (int l = 0; l < 8; ++l) s += acc[r][l];
+      j.Store(r, n, s);
+    }
+  }
+}
+
+// Weight rows [n0, n1) dequantized into out [n1 - n0, K] (a chunk's buffer), 8 columns at a time as above.
+void DequantRowsPortable(const Job& j, int64_t n0, int64_t n1, float* out) {
+  const int runs = j.bits == 4 ? 2 : 1;
+  const int64_t len = j.gs / runs;
+  for (int64_t n = n0; n < n1; ++n, out += j.K)
+    for (int64_t g = 0; g < j.K / j.gs; ++g)
+      for (int run = 0; run < runs; ++run)
+        for (int64_t o = 0; o < len; o += 8) j.Dequant8(n, g, run, o, out + g * j.gs + run * len + o);
+}
+
 #if PJ_X86
 // The vector paths: NB weight rows (contiguous in [out, in]) at a time, each loaded once per k step and multiplied
 // with every x row; NB * R accumulators stay in registers (all loops below unroll: R, NB are constants, and only
@@ -117,6 +181,13 @@ PJ_AVX2 inline __m256 LoadAvx2(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 PJ_AVX2 inline __m256 LoadAvx2(const float* p) { return _mm256_loadu_ps(p); }
+
+PJ_AVX2 inline float HsumAvx2(__m256 v) {  // the fixed horizontal tree
+  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
+  return _mm_cvtss_f32(s4);
+}
 
 template <typename WT, int R, int NB>
 PJ_AVX2 void BlockAvx2(const Job& j, int64_t n) {
@@ -137,10 +208,7 @@ PJ_AVX2 void BlockAvx2(const Job& j, int64_t n) {
   float sums[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) {
-      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[b][r]), _mm256_extractf128_ps(acc[b][r], 1));
-      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-      s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));
-      float s = _mm_cvtss_f32(s4);
+      float s = HsumAvx2(acc[b][r]);
       for (int64_t k = kv; k < K; ++k) s += ToF32(w[b * K + k]) * x[r * K + k];
       sums[b][r] = s;
     }
@@ -154,6 +222,76 @@ PJ_AVX2 void RowsAvx2(const Job& j, int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) BlockAvx2<WT, R, NB>(j, n);
   for (; n < n1; ++n) BlockAvx2<WT, R, 1>(j, n);
+}
+
+// 8 dequantized weights of row `v` (bytes at v + o), (q - zero) * scale, two roundings.
+// Zero false: a symmetric weight (every zero 0), whose (q - 0) is q: the same bits without the subtraction.
+template <int Bits, bool Zero>
+PJ_AVX2 inline __m256 DequantAvx2(const uint8_t* v, int run, __m256 zv, __m256 sv) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
+  __m256i q;
+  if constexpr (Bits == 8) {
+    q = _mm256_cvtepi8_epi32(bytes);
+  } else {
+    q = _mm256_cvtepu8_epi32(bytes);
+    q = run ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
+  }
+  const __m256 f = _mm256_cvtepi32_ps(q);
+  return _mm256_mul_ps(Zero ? _mm256_sub_ps(f, zv) : f, sv);
+}
+
+// Quantized weights: BlockAvx2<float>'s lanes, order and tree over the weight dequantized in registers, 8 columns
+// (8 bytes: int8, or one nibble each) per load.
+template <int Bits, bool Zero, int R, int NB>
+PJ_AVX2 void BlockQuantAvx2(const Job& j, int64_t n) {
+  constexpr int runs = Bits == 4 ? 2 : 1;
+  const int64_t K = j.K, gs = j.gs, len = gs / runs, G = K / gs, KB = K * Bits / 8;
+  const uint8_t* __restrict v = j.qv + n * KB;
+  const float* __restrict x = j.x;
+  __m256 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 sv[NB], zv[NB];
+    for (int b = 0; b < NB; ++b) {
+      sv[b] = _mm256_set1_ps(j.scale[(n + b) * G + g]);
+      zv[b] = _mm256_set1_ps(static_cast<float>(j.zero[(n + b) * G + g]));
+    }
+    for (int run = 0; run < runs; ++run)
+      for (int64_t o = 0; o < len; o += 8) {
+        __m256 wv[NB];
+        for (int b = 0; b < NB; ++b) wv[b] = DequantAvx2<Bits, Zero>(v + b * KB + g * len + o, run, zv[b], sv[b]);
+        const int64_t k = g * gs + run * len + o;
+        for (int r = 0; r < R; ++r) {
+          __m256 xv = _mm256_loadu_ps(x + r * K + k);
+          for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
+        }
+      }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) j.Store(r, n + b, HsumAvx2(acc[b][r]));
+}
+
+template <int Bits, bool Zero>
+PJ_AVX2 void DequantRowsAvx2(const Job& j, int64_t n0, int64_t n1, float* out) {
+  constexpr int runs = Bits == 4 ? 2 : 1;
+  const int64_t K = j.K, gs = j.gs, len = gs / runs, G = K / gs, KB = K * Bits / 8;
+  for (int64_t n = n0; n < n1; ++n, out += K)
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 sv = _mm256_set1_ps(j.scale[n * G + g]);
+      const __m256 zv = _mm256_set1_ps(static_cast<float>(j.zero[n * G + g]));
+      for (int run = 0; run < runs; ++run)
+        for (int64_t o = 0; o < len; o += 8)
+          _mm256_storeu_ps(out + g * gs + run * len + o, DequantAvx2<Bits, Zero>(j.qv + n * KB + g * len + o, run, zv, sv));
+    }
+}
+
+template <int Bits, bool Zero, int R>
+PJ_AVX2 void RowsQuantAvx2(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int NB = R <= 2 ? 4 : (R <= 4 ? 2 : 1);  // NB * R accumulators + NB weights, scales, zeros + 1 x
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) BlockQuantAvx2<Bits, Zero, R, NB>(j, n);
+  for (; n < n1; ++n) BlockQuantAvx2<Bits, Zero, R, 1>(j, n);
 }
 
 // ---- AVX-512 (F, BW, VL): 16 lanes, masked tail ---------------------------------------------------------------
@@ -297,6 +435,39 @@ RowsFn Select(int isa, bool w_bf16, int rows) {
   return portable[w_bf16][rows - 1];
 }
 
+// Quantized weights: the AVX2 path wherever AVX2 runs (AVX-512 CPUs included), else portable; a chunk dequantized
+// for more than kBlockRows rows runs the float32 code of the same ISA, so both give the same bits.
+int QuantIsa(int32_t requested) { return ResolveIsa(requested, false, false) >= 2 ? 2 : 1; }
+
+using DequantFn = void (*)(const Job&, int64_t, int64_t, float*);
+
+DequantFn SelectDequant(int isa, int bits, bool zero) {
+#if PJ_X86
+  if (isa == 2) return bits == 4 ? DequantRowsAvx2<4, true> : (zero ? DequantRowsAvx2<8, true> : DequantRowsAvx2<8, false>);
+#endif
+  (void)bits;
+  (void)zero;
+  return DequantRowsPortable;
+}
+
+#define PJ_QTABLE(fn, B, Z) {fn<B, Z, 1>, fn<B, Z, 2>, fn<B, Z, 3>, fn<B, Z, 4>, fn<B, Z, 5>, fn<B, Z, 6>, fn<B, Z, 7>, \
+                           fn<B, Z, 8>}
+
+RowsFn SelectQuant(int isa, int bits, bool zero, int rows) {
+  static const RowsFn portable[kMaxRows] = {RowsQuantPortable<1>, RowsQuantPortable<2>, RowsQuantPortable<3>,
+                                            RowsQuantPortable<4>, RowsQuantPortable<5>, RowsQuantPortable<6>,
+                                            RowsQuantPortable<7>, RowsQuantPortable<8>};
+#if PJ_X86
+  static const RowsFn avx2[3][kMaxRows] = {PJ_QTABLE(RowsQuantAvx2, 4, true), PJ_QTABLE(RowsQuantAvx2, 8, true),
+                                           PJ_QTABLE(RowsQuantAvx2, 8, false)};
+  if (isa == 2) return avx2[bits == 4 ? 0 : (zero ? 1 : 2)][rows - 1];
+#else
+  (void)bits;
+  (void)zero;
+#endif
+  return portable[rows - 1];
+}
+
 // Work shared by the calling thread and pool tasks: chunks of output features claimed from an atomic counter, so
 // the caller never waits for a task that has not started (a busy pool cannot deadlock it), and a task that starts
 // after the work is gone touches nothing but this state (kept alive by its shared_ptr). A chunk runs every row
@@ -304,8 +475,14 @@ RowsFn Select(int isa, bool w_bf16, int rows) {
 // block or chunk a row or feature falls in never changes its sum: each is the same sequence of operations.
 struct Shared {
   Job job;  // all rows; R is the row count
-  RowsFn fns[kMaxRows];
+  RowsFn fns[kMaxRows];    // for the job's weights
+  RowsFn dense[kMaxRows];  // quantized, over kMaxRows rows: float32 rows over the chunk dequantized
+  DequantFn dequant = nullptr;
   int64_t chunk, chunks;
+
+  // Rows per pass over a chunk's weights: all of them for quantized weights up to kMaxRows (each weight dequantized
+  // once in registers for every row), else kBlockRows.
+  int64_t Block() const { return job.qv && job.R <= kMaxRows ? job.R : kBlockRows; }
   std::atomic<int64_t> next{0}, done{0};
 
   void Work() {
@@ -313,60 +490,59 @@ struct Shared {
     // Up to 4 rows in one block: each weight row is read once from memory. More rows in blocks of 4 against a
     // weight chunk kept in L2: 4 x rows stay in L1 and 4 x 3 accumulators fill the registers (8 rows x 1 weight
     // row was load bound: 1.8x XLA's time at 8 rows of a [1024, 3072] weight, 0.6x XLA's prefill throughput).
-    const int64_t block = kBlockRows;
+    // Quantized weights: up to 8 rows in one block (the dequantization, not the loads, is what a pass costs).
+    const int64_t block = Block();
     for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < chunks;) {
       int64_t n0 = c * chunk, n1 = n0 + chunk < job.N ? n0 + chunk : job.N;
+      Job base = job;
+      const RowsFn* table = fns;
+      if (job.qv && job.R > block) {  // dequantize the chunk once, then float32 rows over it (features from 0)
+        thread_local std::vector<float> buffer;
+        if (static_cast<int64_t>(buffer.size()) < (n1 - n0) * job.K) buffer.resize((n1 - n0) * job.K);
+        dequant(job, n0, n1, buffer.data());
+        base.qv = nullptr;
+        base.w = buffer.data();
+        base.y = static_cast<char*>(job.y) + n0 * (job.y_bf16 ? 2 : 4);
+        n1 -= n0;
+        n0 = 0;
+        table = dense;
+      }
       for (int64_t r0 = 0; r0 < job.R; r0 += block) {
         const int64_t R = job.R - r0 < block ? job.R - r0 : block;
-        Job rows = job;
+        Job rows = base;
         rows.x = job.x + r0 * job.K;
         rows.xb = job.xb ? job.xb + r0 * job.K : nullptr;
-        rows.y = static_cast<char*>(job.y) + r0 * ystride;
+        rows.y = static_cast<char*>(base.y) + r0 * ystride;
         rows.R = R;
-        fns[R - 1](rows, n0, n1);
+        table[R - 1](rows, n0, n1);
       }
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
 
-ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                        int32_t isa) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] || yd[1] != wd[0])
-    return ffi::Error::InvalidArgument("pocketjax skinny_matmul: expects x [rows, in], w [out, in], y [rows, out]");
-  const ffi::DataType xt = x.element_type(), yt = y->element_type(), wt = w.element_type();
-  if ((xt != ffi::DataType::F32 && xt != ffi::DataType::BF16) || yt != xt)
-    return ffi::Error::InvalidArgument("pocketjax skinny_matmul: x and y must both be float32 or bfloat16");
-  if (wt != ffi::DataType::F32 && wt != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument("pocketjax skinny_matmul: w must be float32 or bfloat16");
-  const int64_t rows = xd[0], K = xd[1], N = wd[0];
-  if (rows == 0 || N == 0) return ffi::Error::Success();
-  const bool w_bf16 = wt == ffi::DataType::BF16;
-  const int resolved = ResolveIsa(isa, xt == ffi::DataType::BF16, w_bf16);
-
-  // An f32 copy of a bf16 x (exact): rows * in floats; reused across calls on this thread.
+// x as float32: the buffer itself, or (bf16 x, unless the AVX512_BF16 path reads it as is) an exact f32 copy,
+// rows * in floats reused across calls on this thread.
+const float* FloatRows(ffi::AnyBuffer x, bool copy) {
   thread_local std::vector<float> xf;
-  const float* x32 = static_cast<const float*>(x.untyped_data());
-  if (xt == ffi::DataType::BF16 && resolved != 4) {
-    if (static_cast<int64_t>(xf.size()) < rows * K) xf.resize(rows * K);
-    const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
-    for (int64_t i = 0; i < rows * K; ++i) xf[i] = Bf16ToF32(xb[i]);
-    x32 = xf.data();
-  }
-  auto s = std::make_shared<Shared>();
-  const uint16_t* xb = xt == ffi::DataType::BF16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
-  s->job = Job{x32, xb, w.untyped_data(), y->untyped_data(), yt == ffi::DataType::BF16, rows, K, N};
-  for (int r = 1; r <= kMaxRows; ++r) s->fns[r - 1] = Select(resolved, w_bf16, r);
-  const int64_t threads = pool.num_threads() > 0 ? pool.num_threads() : 1;
-  const int64_t wbytes = w_bf16 ? 2 : 4;
-  // ~4 chunks per thread (load balance on a shared machine), each a multiple of 16 features and >= 64 KiB of
-  // weight; with more than one row block, at most ~256 KiB of weight (it stays in L2 across the row blocks).
+  if (!copy) return static_cast<const float*>(x.untyped_data());
+  const int64_t n = x.dimensions()[0] * x.dimensions()[1];
+  if (static_cast<int64_t>(xf.size()) < n) xf.resize(n);
+  const uint16_t* xb = static_cast<const uint16_t*>(x.untyped_data());
+  for (int64_t i = 0; i < n; ++i) xf[i] = Bf16ToF32(xb[i]);
+  return xf.data();
+}
+
+// Runs s's job on the caller and XLA's intra-op pool. ~4 chunks per thread (load balance on a shared machine), each
+// a multiple of 16 features and >= 64 KiB of weight as stored (`row_bytes` per feature); with more than one row
+// block, at most ~256 KiB of weight as the row blocks re-read it (`cached_row_bytes`: it stays in L2 between them).
+void Run(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& s, int64_t row_bytes, int64_t cached_row_bytes) {
+  const int64_t threads = pool.num_threads() > 0 ? pool.num_threads() : 1, N = s->job.N;
   int64_t chunk = (N + 4 * threads - 1) / (4 * threads);
-  const int64_t min_chunk = (65536 / wbytes + K - 1) / K;
+  const int64_t min_chunk = (65536 + row_bytes - 1) / row_bytes;
   chunk = chunk < min_chunk ? min_chunk : chunk;
-  if (rows > kBlockRows) {  // several row blocks: the chunk's weights stay in L2 between them
-    const int64_t max_chunk = (262144 / wbytes) / K;
+  if (s->job.R > s->Block()) {
+    const int64_t max_chunk = 262144 / cached_row_bytes;
     chunk = chunk > max_chunk ? max_chunk : chunk;
   }
   chunk = (chunk + 15) / 16 * 16;
@@ -376,6 +552,66 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { s->Work(); });
   s->Work();
   while (s->done.load(std::memory_order_acquire) < s->chunks) std::this_thread::yield();
+}
+
+bool FloatRowsType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
+                        int32_t isa) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] || yd[1] != wd[0])
+    return ffi::Error::InvalidArgument("pocketjax skinny_matmul: expects x [rows, in], w [out, in], y [rows, out]");
+  const ffi::DataType xt = x.element_type(), yt = y->element_type(), wt = w.element_type();
+  if (!FloatRowsType(xt) || yt != xt)
+    return ffi::Error::InvalidArgument("pocketjax skinny_matmul: x and y must both be float32 or bfloat16");
+  if (!FloatRowsType(wt))
+    return ffi::Error::InvalidArgument("pocketjax skinny_matmul: w must be float32 or bfloat16");
+  const int64_t rows = xd[0], K = xd[1], N = wd[0];
+  if (rows == 0 || N == 0) return ffi::Error::Success();
+  const bool w_bf16 = wt == ffi::DataType::BF16, x_bf16 = xt == ffi::DataType::BF16;
+  const int resolved = ResolveIsa(isa, x_bf16, w_bf16);
+  auto s = std::make_shared<Shared>();
+  const uint16_t* xb = x_bf16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+  s->job = Job{FloatRows(x, x_bf16 && resolved != 4), xb, w.untyped_data(), y->untyped_data(), x_bf16, rows, K, N};
+  for (int r = 1; r <= kMaxRows; ++r) s->fns[r - 1] = Select(resolved, w_bf16, r);
+  Run(pool, s, K * (w_bf16 ? 2 : 4), K * (w_bf16 ? 2 : 4));
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer scale,
+                           ffi::AnyBuffer zero, ffi::Result<ffi::AnyBuffer> y, int32_t isa, bool has_zero) {
+  auto xd = x.dimensions(), vd = values.dimensions(), sd = scale.dimensions(), zd = zero.dimensions(),
+       yd = y->dimensions();
+  const int bits = values.element_type() == ffi::DataType::U8 ? 4 : 8;
+  if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2 || zd.size() != 2 || yd.size() != 2 ||
+      vd[1] * 8 / bits != xd[1] || sd[0] != vd[0] || zd[0] != vd[0] || zd[1] != sd[1] || yd[0] != xd[0] ||
+      yd[1] != vd[0] || sd[1] == 0 || xd[1] % sd[1] != 0 || (xd[1] / sd[1]) % (bits == 4 ? 16 : 8) != 0)
+    return ffi::Error::InvalidArgument("pocketjax quantized_matmul: expects x [rows, in], values [out, in * bits / 8], "
+                                       "scale and zero [out, in / gs] (gs a multiple of 16 for int4, 8 for int8), "
+                                       "y [rows, out]");
+  const ffi::DataType xt = x.element_type();
+  if (!FloatRowsType(xt) || y->element_type() != xt ||
+      (values.element_type() != ffi::DataType::U8 && values.element_type() != ffi::DataType::S8) ||
+      scale.element_type() != ffi::DataType::F32 || zero.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("pocketjax quantized_matmul: x, y float32 or bfloat16 alike; values uint8 "
+                                       "(int4) or int8; scale float32, zero int8");
+  const int64_t rows = xd[0], K = xd[1], N = vd[0];
+  if (rows == 0 || N == 0) return ffi::Error::Success();
+  const bool x_bf16 = xt == ffi::DataType::BF16;
+  const int resolved = QuantIsa(isa);
+  auto s = std::make_shared<Shared>();
+  s->job = Job{FloatRows(x, x_bf16), nullptr, nullptr, y->untyped_data(), x_bf16, rows, K, N};
+  s->job.qv = static_cast<const uint8_t*>(values.untyped_data());
+  s->job.scale = static_cast<const float*>(scale.untyped_data());
+  s->job.zero = static_cast<const int8_t*>(zero.untyped_data());
+  s->job.gs = K / sd[1];
+  s->job.bits = bits;
+  for (int r = 1; r <= kMaxRows; ++r) {
+    s->fns[r - 1] = SelectQuant(resolved, bits, has_zero, r);
+    s->dense[r - 1] = Select(resolved, false, r);
+  }
+  s->dequant = SelectDequant(resolved, bits, has_zero);
+  Run(pool, s, K * bits / 8 + sd[1] * 5, K * 4);
   return ffi::Error::Success();
 }
 
@@ -388,6 +624,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxSkinnyMatmul, SkinnyMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("isa"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxQuantizedMatmul, QuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa")
+                                  .Attr<bool>("has_zero"));
 
 // For tests and the benchmark: the code path `isa` (0 = auto) resolves to on this CPU for x's and w's dtypes.
 extern "C" int PocketjaxSkinnyMatmulIsa(int32_t requested, int32_t x_bf16, int32_t w_bf16) {
