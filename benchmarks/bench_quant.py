@@ -46,7 +46,7 @@ from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown
                                parse_ints, write_json)
 from benchmarks.peers import launch  # noqa: E402
 from benchmarks.presets import GGUF_TYPES, plant_outliers  # noqa: E402
-from pocketjax.model import quant  # noqa: E402
+from pocketjax.model import decoder, quant  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import BatchedRequest  # noqa: E402
 from pocketjax.model.decoder import forward_logits  # noqa: E402
@@ -83,17 +83,22 @@ def one_digit(flat):
 
 
 TWO_DIGITS = quant.activation_digits
+ACTIVATION_FORMS = {"int8, XLA's form (two digits)": TWO_DIGITS, "int8, one digit (W8A8)": one_digit}
 
 
 @contextlib.contextmanager
 def activations_as(digits_fn):
-    """Run int8 products with `digits_fn` as `quant.activation_digits` (jit caches cleared on the way in and out)."""
+    """Run `pj.logits` in XLA's forms (where int8 is XLA's integer dot: a mesh, no compiler; the native kernel keeps
+    activations whole) with `digits_fn` as `quant.activation_digits` (jit caches cleared on the way in and out)."""
+    impl = decoder.logits_impl
     quant.activation_digits = digits_fn
+    decoder.logits_impl = lambda mesh=None: "xla"
     jax.clear_caches()
     try:
         yield
     finally:
         quant.activation_digits = TWO_DIGITS
+        decoder.logits_impl = impl
         jax.clear_caches()
 
 
@@ -253,11 +258,11 @@ def main() -> None:
                for f in (float(x) for x in args.outliers.split(",") if x)]
     for label, path in [("", folder)] + planted:
         base = None
-        for mode in PPL_MODES + ["int8 weights alone", "int8, one digit (W8A8)"]:
+        for mode in PPL_MODES + ["int8 weights alone", *ACTIVATION_FORMS]:
             if mode == "int8 weights alone":  # the int8-rounded weights in a float product: what int8 cannot beat
                 ppl = perplexity(rounded(pj.load_model(path, dtype="float32", quantize="int8")), tokens)
-            elif mode == "int8, one digit (W8A8)":  # int8 as first landed, for contrast
-                with activations_as(one_digit):
+            elif mode in ACTIVATION_FORMS:  # XLA's int8 form (two digits), and as first landed (one), for contrast
+                with activations_as(ACTIVATION_FORMS[mode]):
                     ppl = perplexity(pj.load_model(path, dtype="float32", quantize="int8"), tokens)
             else:
                 ppl = perplexity(pj.load_model(path, dtype="float32", quantize=mode), tokens)

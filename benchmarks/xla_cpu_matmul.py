@@ -23,10 +23,14 @@ Suites:
   one row per code path this CPU has) and `layers.bfloat16_product` (the form `linear` picks: the kernel up to
   `layers.KERNEL_ROWS` rows with batch_invariant=False; every row count by default). Which is fastest, and whether any
   beats float32, depends on the CPU (a bf16 checkpoint loads as bf16 where the kernels are built: a rule, no probe).
+- quantized: pocketjax's native kernels at decode rows: the float32 weight (`cpu_kernels.skinny_matmul`) beside int8
+  (per channel, symmetric) and int4 (groups of quant.GROUP_SIZE, fitted) dequantized in registers
+  (`cpu_kernels.quantized_matmul`): GB/s of the bytes each reads, and G weights/s (what bounds a kernel that is
+  compute bound).
 - attention: decode QK^T over an f32 cache [slots, kv_heads, T, D] as q @ K^T (einsum), as K @ q^T (the cache as the
   row-major left operand, barrier, transposed: what the XLA path does on CPU), and P @ V.
 
-    python benchmarks/xla_cpu_matmul.py [--suites float,int8,int4,bf16,attention] [--flags default,...]
+    python benchmarks/xla_cpu_matmul.py [--suites float,int8,int4,quantized,bf16,attention] [--flags default,...]
         [--json out.json]
 """
 from __future__ import annotations
@@ -192,6 +196,34 @@ def suite_int4(rng, reps: int) -> list[dict]:
     return out
 
 
+def suite_quantized(rng, reps: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pocketjax.model import cpu_kernels, quant
+
+    if not cpu_kernels.available():
+        print("quantized: skipped, the native kernels are not built (see the log)", file=sys.stderr)
+        return []
+    n, k = SHAPES["gate/up [3072, 1024]"]
+    floats = [rng.standard_normal((n, k), dtype=np.float32) for _ in range(WEIGHTS)]
+    weights = {"float32": [(jnp.asarray(w),) for w in floats],
+               "int8": [(jax.tree.map(jnp.asarray, quant.quantize(w, 8)),) for w in floats],
+               "int4": [(jax.tree.map(jnp.asarray, quant.quantize(w, 4)),) for w in floats]}
+    fns = {"float32": summed(cpu_kernels.skinny_matmul), "int8": summed(cpu_kernels.quantized_matmul),
+           "int4": summed(cpu_kernels.quantized_matmul)}
+    out = []
+    for b in BATCHES:
+        x = jnp.asarray(rng.standard_normal((b, k), dtype=np.float32))
+        for name, s in best_of(fns, {name: (x, weights[name]) for name in fns}, reps).items():
+            nbytes = weights[name][0][0].nbytes  # bytes read: values (+ scales and zeros)
+            out.append({"suite": "quantized", "shape": "gate/up [3072, 1024]", "batch": b, "form": name,
+                        "ms": 1e3 * s / WEIGHTS, "GB_s": nbytes * WEIGHTS / s / 1e9,
+                        "G_weights_s": n * k * WEIGHTS / s / 1e9})
+    return out
+
+
 def suite_attention(rng, reps: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
@@ -346,8 +378,8 @@ def suite_int8_activations(rng, reps: int) -> list[dict]:
     return out
 
 
-SUITES = {"float": suite_float, "int8": suite_int8, "int4": suite_int4, "attention": suite_attention,
-          "bf16": suite_bf16, "int8_activations": suite_int8_activations}
+SUITES = {"float": suite_float, "int8": suite_int8, "int4": suite_int4, "quantized": suite_quantized,
+          "attention": suite_attention, "bf16": suite_bf16, "int8_activations": suite_int8_activations}
 
 
 def child(suite: str, reps: int) -> list[dict]:
