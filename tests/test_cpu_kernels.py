@@ -86,9 +86,10 @@ def test_quantized_kernel_is_the_float_kernel_on_the_dequantized_weight_bit_for_
     kernel = jax.jit(lambda x, w: cpu_kernels.quantized_matmul(x, w, isa))
     dense = jax.jit(lambda x, w: cpu_kernels.skinny_matmul(x, quant.dequantize(w), isa))
     for rows, n, k, group, symmetric, bits in [
-            (1, 48, 64, 32, False, 4), (2, 37, 256, 128, False, 4), (3, 20, 96, 16, True, 4), (4, 64, 128, 64, False, 4),
-            (5, 33, 64, 32, False, 4), (8, 80, 512, 128, True, 4), (13, 150, 192, 32, False, 4), (70, 40, 64, 64, False, 4),
-            (1, 48, 64, 64, True, 8), (3, 33, 40, 40, True, 8), (8, 80, 512, 512, True, 8), (13, 150, 192, 192, False, 8)]:
+            (1, 48, 64, 32, False, 4), (2, 37, 256, 128, False, 4), (3, 20, 96, 16, True, 4),
+            (4, 64, 128, 64, False, 4), (5, 33, 64, 32, False, 4), (8, 80, 512, 128, True, 4),
+            (13, 150, 192, 32, False, 4), (70, 40, 64, 64, False, 4), (1, 48, 64, 64, True, 8),
+            (3, 33, 40, 40, True, 8), (8, 80, 512, 512, True, 8), (13, 150, 192, 192, False, 8)]:
         w = quantized_weight(rng, n, k, group, symmetric, bits)
         x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
         got = kernel(x, w)

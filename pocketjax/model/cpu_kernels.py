@@ -228,7 +228,7 @@ def _product_jvp(isa, primals, tangents):
 
 def quantized_applies(w: QuantizedWeight) -> bool:
     """Whether `quantized_matmul` takes `w`: quant.py's int8 or packed int4 [out, in] (2-D, not a scan's stacked
-    [layers, ...]), groups a multiple of 8 (int8) or 16 (int4) columns, columns in input order (no GPTQ perm)."""
+    [layers, ...]), groups a multiple of 8 (int8) or 16 (int4) columns (a GPTQ perm: quant.matmul gathers x first)."""
     values = {8: jnp.int8, 4: jnp.uint8}.get(w.bits)
     return (values is not None and w.values.ndim == 2 and w.values.dtype == values and w.scale.ndim == 2
             and w.group_size % (16 if w.bits == 4 else 8) == 0 and w.group_size * w.scale.shape[1] == w.shape[1])
@@ -236,10 +236,10 @@ def quantized_applies(w: QuantizedWeight) -> bool:
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto") -> jax.Array:
     """x [rows, in] (float32 or bfloat16) @ W.T for quant.py's int8 or int4 W, in x's dtype: bitwise
-    `skinny_matmul(x, quant.dequantize(W))` on the same code path, but each weight dequantized in registers, so 8 or
-    4.5 bits per weight are read instead of 32 written and read back. Any row count, batch-invariant as
-    skinny_matmul. Differentiable in x and W's scale (XLA's product with the dequantized weight). Call only where
-    `available()` and `quantized_applies(W)`, on one device."""
+    `skinny_matmul(x, quant.dequantize(W))` on the same code path, but each weight dequantized in registers, so
+    8 or 5.25 bits (int4, groups of 32) per weight are read instead of 32 written and read back. Any row count,
+    batch-invariant as skinny_matmul. Differentiable in x and W's scale (XLA's product with the dequantized weight).
+    Call only where `available()` and `quantized_applies(W)`, on one device."""
     if x.ndim != 2 or not quantized_applies(w) or x.shape[1] != w.shape[1]:
         raise ConfigError(f"quantized_matmul: x [rows, in] and a 2-D int8 / int4 QuantizedWeight [out, in] with groups "
                           f"of 8k / 16k columns, got {x.shape} and {w.shape} {w.bits}-bit (group {w.group_size})")
@@ -267,7 +267,8 @@ def _quantized_product_jvp(isa, has_zero, primals, tangents):
     nk = (((1,), (1,)), ((), ()))
 
     def weight(s):
-        return dequantize(QuantizedWeight(values=values, scale=s, zero=zero, bits=4 if values.dtype == jnp.uint8 else 8))
+        bits = 4 if values.dtype == jnp.uint8 else 8
+        return dequantize(QuantizedWeight(values=values, scale=s, zero=zero, bits=bits))
 
     tangent = (jax.lax.dot_general(dx.astype(jnp.float32), weight(scale), nk)
                + jax.lax.dot_general(x.astype(jnp.float32), weight(dscale), nk))

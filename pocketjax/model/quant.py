@@ -21,7 +21,7 @@ Schemes (every weight is [out, in], HF's layout, as all linears here):
 Matmul (`layers.linear`): in a single-device CPU program with the native kernels built, int8 and int4 weights go to
 `cpu_kernels.quantized_matmul` (csrc/skinny_matmul.cc), which dequantizes each weight in registers exactly as
 `dequantize` does and sums as the float32 kernel: bitwise x @ dequantize(w).T in pocketjax's float form, with full
-precision activations, batch-invariant, reading 8 or 4.5 bits per weight. Elsewhere (a mesh, no compiler):
+precision activations, batch-invariant, reading 8 or 5.25 bits per weight. Elsewhere (a mesh, no compiler):
 per-channel int8 on CPU is an integer dot (`int8_product`, the weight the dot's row-major
 left operand: 15-20x faster than what follows, 2-2.5x faster than float32) with each activation row written as two
 int8 digits (`activation_digits`: x ~= s (hi + lo / 254), s = max|row| / 127), stacked into one dot over 2 x rows.
@@ -55,8 +55,8 @@ from ..errors import ConfigError
 from .numerics import opaque
 
 MODES = {"int8": (8, False), "int4": (4, False), "int8+head": (8, True), "int4+head": (4, True)}
-GROUP_SIZE = 32  # llama.cpp's block: measured on the embedded model (bench_quant.py), with `fit_int4`, int4 +0.42% perplexity at
-# 32, +0.64% at 64, +0.99% at 128 (Q4_K_M +0.55%, Q4_0 +1.11%); 5.25 bits per weight (Q4_0: 4.5)
+GROUP_SIZE = 32  # llama.cpp's block. Measured on the embedded model (bench_quant.py), with `fit_int4`: int4 +0.42%
+# perplexity at 32, +0.64% at 64, +0.99% at 128 (Q4_K_M +0.55%, Q4_0 +1.11%); 5.25 bits per weight (Q4_0: 4.5)
 MIN_GROUP_SIZE = 32
 LINEAR_NAMES = frozenset({"q", "k", "v", "o", "gate", "up", "down"})
 HEAD_NAMES = frozenset({"embed", "lm_head"})

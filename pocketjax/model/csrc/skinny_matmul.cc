@@ -17,7 +17,7 @@
 // one), scale float32 and zero int8 [out, in/gs]. Each weight is dequantized in registers as (q - zero) * scale, two
 // roundings as XLA computes quant.dequantize, and multiplied exactly as the float32 path multiplies that
 // dequantized weight (the same lanes, order and horizontal sum): the result is bitwise the float32 kernel's on
-// `dequantize(w)`, while 8 or 4.5 bits per weight are read from memory instead of 32 (and of the 36 or 40 that
+// `dequantize(w)`, while 8 or 5.25 bits per weight are read from memory instead of 32 (and of the 36 or 40 that
 // dequantizing into memory first cost). Up to kMaxRows rows run in one register block (each weight dequantized once for
 // all of them); over kMaxRows (prefill) each chunk is dequantized once into a per-thread float32 buffer kept in L2 and
 // the float32 code runs on it. AVX2 or portable code only (an AVX-512 CPU runs the AVX2 path, and so does the float32
