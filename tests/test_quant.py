@@ -269,7 +269,9 @@ def test_prequantized_checkpoint_dequantizes_exactly_and_matches_float(hf_checkp
             np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want[rows].T)
     ours = np.asarray(pj.logits(model, TOKENS))
     ref = np.asarray(pj.logits(pj.load_model(tmp_path / "f"), TOKENS))
-    assert rel_err(ours, ref) <= 1e-5, rel_err(ours, ref)
+    # The native int4 kernel rounds activations to 16 bits per row (largest error measured 1.3e-4); XLA's dequantized
+    # product keeps them whole
+    assert rel_err(ours, ref) <= (5e-4 if cpu_kernels.available() else 1e-5), rel_err(ours, ref)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -410,10 +412,11 @@ def test_int8_activations_add_little_to_the_weight_rounding_with_outlier_channel
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the kernels")
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_native_quantized_model_is_the_model_of_its_rounded_weights_bit_for_bit(hf_checkpoint, tmp_path, mode):
-    """Where the native kernels run, an int8 / int4 model's logits are bitwise those of its dequantized weights in
-    the float kernel (activations whole: nothing lost to them, even with outlier channels x300), at prefill and
-    decode row counts; and the float model differs (the rounding is there)."""
+def test_native_quantized_model_is_the_model_of_its_rounded_weights(hf_checkpoint, tmp_path, mode):
+    """Where the native kernels run, an int8 model's logits are bitwise those of its dequantized weights in the float
+    kernel (activations whole: nothing lost to them, even with outlier channels x300), and an int4 model's (16-bit
+    activations, one step per row) within ACTIVATION_BOUND at the median position, as int8's two digits in XLA's form;
+    at prefill and decode row counts; and the float model differs (the rounding is there)."""
     from benchmarks.presets import plant_outliers
     folder = plant_outliers(hf_checkpoint("qwen2_mha_untied", **OUTLIER_MODEL), tmp_path / "planted", 300)
     quantized = pj.load_model(folder, quantize=mode)
@@ -422,6 +425,9 @@ def test_native_quantized_model_is_the_model_of_its_rounded_weights_bit_for_bit(
         quantized.params, DECODE_TOKENS).as_text()
     assert cpu_kernels.QUANTIZED_TARGET in hlo
     for tokens in (PREFILL_TOKENS, DECODE_TOKENS):
-        ours = np.asarray(pj.logits(quantized, tokens))
-        np.testing.assert_array_equal(ours, np.asarray(pj.logits(rounded, tokens)))
+        ours, weight_only = np.asarray(pj.logits(quantized, tokens)), np.asarray(pj.logits(rounded, tokens))
+        if mode == "int8":
+            np.testing.assert_array_equal(ours, weight_only)
+        else:
+            assert np.median(position_errors(ours, weight_only)) <= ACTIVATION_BOUND, tokens.shape
         assert not np.array_equal(ours, np.asarray(pj.logits(float_model, tokens)))

@@ -14,23 +14,28 @@
 //
 // Quantized weights (`PocketjaxQuantizedMatmul`), quant.py's forms: int8 values [out, in] or int4 values uint8
 // [out, in/2] (in each group of `gs` columns byte j holds column j in its low nibble and column j + gs/2 in its high
-// one), scale float32 and zero int8 [out, in/gs]. Each weight is dequantized in registers as (q - zero) * scale, two
-// roundings as XLA computes quant.dequantize, and multiplied exactly as the float32 path multiplies that
+// one), scale float32 and zero int8 [out, in/gs]. int8: each weight is dequantized in registers as (q - zero) *
+// scale, two roundings as XLA computes quant.dequantize, and multiplied exactly as the float32 path multiplies that
 // dequantized weight (the same lanes, order and horizontal sum): the result is bitwise the float32 kernel's on
-// `dequantize(w)`, while 8 or 5.25 bits per weight are read from memory instead of 32 (and of the 36 or 40 that
-// dequantizing into memory first cost). Up to kMaxRows rows run in one register block (each weight dequantized once for
-// all of them); over kMaxRows (prefill) each chunk is dequantized once into a per-thread float32 buffer kept in L2 and
-// the float32 code runs on it. AVX2 or portable code only (an AVX-512 CPU runs the AVX2 path, and so does the float32
-// code on the buffer, so a row's bits never depend on how many rows share the call).
+// `dequantize(w)`, reading 8 bits per weight instead of 32. Up to kMaxRows rows run in one register block (each
+// weight dequantized once for all of them); over kMaxRows (prefill) each chunk is dequantized once into a per-thread
+// float32 buffer kept in L2 and the float32 code runs on it. int4: an integer product (`Int4Rows`): each x row
+// rounded once to 16-bit integers (one scale per row), the nibbles multiplied in int16 pairs with exact int32 sums,
+// the group's scale applied per 32 columns; 5.25 bits per weight read (groups of 32). AVX2 or portable code only (an
+// AVX-512 CPU runs the AVX2 path, and so does the float32 code on int8's buffer, so a row's bits never depend on how
+// many rows share the call).
 //
 // ISA, chosen at run time (__builtin_cpu_supports): for a bf16 x AVX512_BF16's vdpbf16ps (32 products per
 // instruction: at 2-8 rows an FMA path is compute bound on a slow core), else AVX-512 (F+BW+VL) or AVX2+FMA, else
 // a portable loop the compiler vectorizes for the base ISA (e.g. aarch64 NEON). The `isa` attribute forces one
 // (tests, benchmarks): 0 auto, 1 portable, 2 AVX2, 3 AVX-512, 4 AVX512_BF16; one the CPU lacks falls back to the
 // next below it (AVX512_BF16 -> AVX-512 -> portable, AVX2 -> portable).
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <thread>
 #include <vector>
@@ -82,22 +87,28 @@ struct Job {
   bool y_bf16;
   int64_t R, K, N;
   // Quantized weights instead of w: values [N, K * bits / 8], scale f32 [N, G], zero s8 [N, G], groups of gs columns
-  // (int4: a multiple of 16, in two runs of gs / 2, the low then the high nibbles; int8: a multiple of 8, one run).
+  // (int4: a multiple of 32, in two runs of gs / 2, the low then the high nibbles; int8: a multiple of 8).
   const uint8_t* qv = nullptr;
   const float* scale = nullptr;
   const int8_t* zero = nullptr;
   int64_t gs = 0;
   int bits = 0;
+  // int4 only: x as 16-bit integers [R, K] in the nibble order, each row's scale [R] and its integers' sum per group
+  // [R, G] (`Int4Rows`).
+  const int16_t* xq = nullptr;
+  const float* xs = nullptr;
+  const float* xsum = nullptr;
+  bool has_zero = false;
 
-  // Weight row n's columns [k, k + 8) of group g, run `run`, offset o, dequantized (portable form): out[l].
-  inline void Dequant8(int64_t n, int64_t g, int run, int64_t o, float* out) const {
-    const int64_t len = bits == 4 ? gs / 2 : gs;
-    const uint8_t* v = qv + n * (K * bits / 8) + g * len + o;
+  // int4: sum over groups of scale * zero * xsum for x row r, weight row n: the zeros' share of the product, taken
+  // out once per output instead of from every weight (8 lanes over groups in order, Tree8, the rest in order).
+  inline float ZeroShare(int64_t r, int64_t n) const;
+
+  // int8 weight row n's columns [k, k + 8) of group g at offset o, dequantized (portable form): out[l].
+  inline void Dequant8(int64_t n, int64_t g, int64_t o, float* out) const {
+    const int8_t* v = reinterpret_cast<const int8_t*>(qv) + n * K + g * gs + o;
     const float s = scale[n * (K / gs) + g], z = static_cast<float>(zero[n * (K / gs) + g]);
-    for (int l = 0; l < 8; ++l) {
-      const int q = bits == 8 ? static_cast<int>(static_cast<int8_t>(v[l])) : (run ? v[l] >> 4 : v[l] & 15);
-      out[l] = (static_cast<float>(q) - z) * s;
-    }
+    for (int l = 0; l < 8; ++l) out[l] = (static_cast<float>(v[l]) - z) * s;
   }
 
   inline void Store(int64_t r, int64_t n, float v) const {
@@ -138,19 +149,16 @@ void RowsPortable(const Job& j, int64_t n0, int64_t n1) {
 template <int R>
 void RowsQuantPortable(const Job& j, int64_t n0, int64_t n1) {
   const int64_t K = j.K, gs = j.gs;
-  const int runs = j.bits == 4 ? 2 : 1;
-  const int64_t len = gs / runs;
   for (int64_t n = n0; n < n1; ++n) {
     float acc[R][8] = {};
     for (int64_t g = 0; g < K / gs; ++g)
-      for (int run = 0; run < runs; ++run)
-        for (int64_t o = 0; o < len; o += 8) {
-          float wf[8];
-          j.Dequant8(n, g, run, o, wf);
-          const float* xk = j.x + g * gs + run * len + o;
-          for (int r = 0; r < R; ++r)
-            for (int l = 0; l < 8; ++l) acc[r][l] += wf[l] * xk[r * K + l];
-        }
+      for (int64_t o = 0; o < gs; o += 8) {
+        float wf[8];
+        j.Dequant8(n, g, o, wf);
+        const float* xk = j.x + g * gs + o;
+        for (int r = 0; r < R; ++r)
+          for (int l = 0; l < 8; ++l) acc[r][l] += wf[l] * xk[r * K + l];
+      }
     for (int r = 0; r < R; ++r) {
       float s = 0.f;
       for (int l = 0; l < 8; ++l) s += acc[r][l];
@@ -159,14 +167,114 @@ void RowsQuantPortable(const Job& j, int64_t n0, int64_t n1) {
   }
 }
 
+inline float Tree8(const float* f) {  // HsumAvx2's order
+  const float a0 = f[0] + f[4], a1 = f[1] + f[5], a2 = f[2] + f[6], a3 = f[3] + f[7];
+  return (a0 + a2) + (a1 + a3);
+}
+
+inline float Job::ZeroShare(int64_t r, int64_t n) const {
+  if (!has_zero) return 0.f;
+  const int64_t G = K / gs;
+  const float* s = scale + n * G;
+  const int8_t* z = zero + n * G;
+  const float* xr = xsum + r * G;
+  float lanes[8] = {};
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] = std::fma(s[g + l] * static_cast<float>(z[g + l]), xr[g + l], lanes[l]);
+  float c = Tree8(lanes);
+  for (; g < G; ++g) c = std::fma(s[g] * static_cast<float>(z[g]), xr[g], c);
+  return c;
+}
+
+// ---- int4: an integer product against 16-bit activations --------------------------------------------------------
+// Dequantizing 8 nibbles costs ~6 vector ops before the FMA, so the exact path above was compute bound at 1-2 rows
+// (0.6x llama.cpp's Q4_0). Here each x row is rounded once per call to 16-bit integers, xi = rint(x * 32767 / amax)
+// (amax = max |x| of the row; a real Qwen row's outlier channels cost nothing measurable: quant.py's two-digit
+// measurement), and each 32 weight columns cost one unpack shared by every row and per row two vpmaddwd (int16
+// pairs summed exactly in int32), a conversion and one FMA with the group's scale; the zeros come out once per
+// output (`ZeroShare`, G products instead of K subtractions):
+//   y = sx * (sum over 32-column chunks of scale[g] * float(sum q * xi) - sum over groups of scale[g] * zero[g] *
+//   sum xi),  sx = amax / 32767.
+// Every integer sum is exact, the float steps are one fixed sequence per output element (8 lanes of FMAs in chunk
+// order, HsumAvx2's tree, one product by sx), so a row's bits depend on nothing but the row and the weight, at any
+// row count, and the portable path computes the same bits (std::fma, the same tree).
+// Lanes of one chunk (16 bytes at offset o of group g's half-size run, h = gs / 2): lane l < 4 sums columns
+// o + 4l .. o + 4l + 3, lane 4 + l columns h + o + 4l .. + 3 (of the group); x is stored in that order (`Int4Rows`).
+
+constexpr float kInt16Max = 32767.f;
+
+// x rows [R, K] f32 -> xq [R, K] int16 in the kernel's order, xs [R] and xsum [R, K / gs]: per 32-column chunk, the
+// 16 even then the 16 odd columns of its two halves (what the unpack below yields). A row holding a NaN or an
+// infinity gets scale NaN (its outputs are NaN) and zeros.
+void Int4Rows(const float* x, int64_t R, int64_t K, int64_t gs, int16_t* xq, float* xs, float* xsum) {
+  const int64_t h = gs / 2;
+  for (int64_t r = 0; r < R; ++r, x += K, xq += K, xsum += K / gs) {
+    float amax = 0.f;
+    bool finite = true;
+    for (int64_t k = 0; k < K; ++k) {
+      const float a = std::fabs(x[k]);
+      finite &= a <= std::numeric_limits<float>::max();
+      amax = a > amax ? a : amax;
+    }
+    xs[r] = finite ? amax / kInt16Max : std::numeric_limits<float>::quiet_NaN();
+    if (!finite) {
+      std::fill(xq, xq + K, int16_t{0});
+      std::fill(xsum, xsum + K / gs, 0.f);
+      continue;
+    }
+    const float inv = amax > 0.f ? kInt16Max / amax : 0.f;
+    for (int64_t g = 0; g < K / gs; ++g) {
+      int64_t sum = 0;
+      for (int64_t o = 0; o < h; o += 16) {
+        int16_t* out = xq + g * gs + 2 * o;
+        for (int i = 0; i < 16; ++i) {
+          const int64_t col = g * gs + (i < 8 ? o + 2 * i : h + o + 2 * (i - 8));  // even columns of both halves
+          for (int odd = 0; odd < 2; ++odd) {
+            float v = std::nearbyint(x[col + odd] * inv);
+            v = v > kInt16Max ? kInt16Max : (v < -kInt16Max ? -kInt16Max : v);
+            out[odd * 16 + i] = static_cast<int16_t>(v);
+            sum += static_cast<int64_t>(v);
+          }
+        }
+      }
+      xsum[g] = static_cast<float>(sum);
+    }
+  }
+}
+
+template <int R>
+void RowsInt4Portable(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t K = j.K, gs = j.gs, h = gs / 2, G = K / gs, KB = K / 2;
+  for (int64_t n = n0; n < n1; ++n) {
+    float acc[R][8] = {};
+    for (int64_t g = 0; g < G; ++g) {
+      const float s = j.scale[n * G + g];
+      for (int64_t o = 0; o < h; o += 16) {
+        const uint8_t* v = j.qv + n * KB + g * h + o;
+        int q[32];  // the kernel's order: even bytes' low then high nibbles, odd bytes' low then high nibbles
+        for (int i = 0; i < 8; ++i) {
+          q[i] = v[2 * i] & 15, q[8 + i] = v[2 * i] >> 4, q[16 + i] = v[2 * i + 1] & 15, q[24 + i] = v[2 * i + 1] >> 4;
+        }
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xi = j.xq + r * K + g * gs + 2 * o;
+          for (int l = 0; l < 8; ++l) {
+            const int e = q[2 * l] * xi[2 * l] + q[2 * l + 1] * xi[2 * l + 1] + q[16 + 2 * l] * xi[16 + 2 * l] +
+                          q[17 + 2 * l] * xi[17 + 2 * l];
+            acc[r][l] = std::fma(static_cast<float>(e), s, acc[r][l]);
+          }
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) j.Store(r, n, (Tree8(acc[r]) - j.ZeroShare(r, n)) * j.xs[r]);
+  }
+}
+
 // Weight rows [n0, n1) dequantized into out [n1 - n0, K] (a chunk's buffer), 8 columns at a time as above.
 void DequantRowsPortable(const Job& j, int64_t n0, int64_t n1, float* out) {
-  const int runs = j.bits == 4 ? 2 : 1;
-  const int64_t len = j.gs / runs;
   for (int64_t n = n0; n < n1; ++n, out += j.K)
     for (int64_t g = 0; g < j.K / j.gs; ++g)
-      for (int run = 0; run < runs; ++run)
-        for (int64_t o = 0; o < len; o += 8) j.Dequant8(n, g, run, o, out + g * j.gs + run * len + o);
+      for (int64_t o = 0; o < j.gs; o += 8) j.Dequant8(n, g, o, out + g * j.gs + o);
 }
 
 #if PJ_X86
@@ -224,29 +332,19 @@ PJ_AVX2 void RowsAvx2(const Job& j, int64_t n0, int64_t n1) {
   for (; n < n1; ++n) BlockAvx2<WT, R, 1>(j, n);
 }
 
-// 8 dequantized weights of row `v` (bytes at v + o), (q - zero) * scale, two roundings.
+// 8 dequantized int8 weights at v, (q - zero) * scale, two roundings.
 // Zero false: a symmetric weight (every zero 0), whose (q - 0) is q: the same bits without the subtraction.
-template <int Bits, bool Zero>
-PJ_AVX2 inline __m256 DequantAvx2(const uint8_t* v, int run, __m256 zv, __m256 sv) {
-  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(v));
-  __m256i q;
-  if constexpr (Bits == 8) {
-    q = _mm256_cvtepi8_epi32(bytes);
-  } else {
-    q = _mm256_cvtepu8_epi32(bytes);
-    q = run ? _mm256_srli_epi32(q, 4) : _mm256_and_si256(q, _mm256_set1_epi32(15));
-  }
-  const __m256 f = _mm256_cvtepi32_ps(q);
+template <bool Zero>
+PJ_AVX2 inline __m256 DequantAvx2(const uint8_t* v, __m256 zv, __m256 sv) {
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
   return _mm256_mul_ps(Zero ? _mm256_sub_ps(f, zv) : f, sv);
 }
 
-// Quantized weights: BlockAvx2<float>'s lanes, order and tree over the weight dequantized in registers, 8 columns
-// (8 bytes: int8, or one nibble each) per load.
-template <int Bits, bool Zero, int R, int NB>
+// int8 weights: BlockAvx2<float>'s lanes, order and tree over the weight dequantized in registers, 8 per load.
+template <bool Zero, int R, int NB>
 PJ_AVX2 void BlockQuantAvx2(const Job& j, int64_t n) {
-  constexpr int runs = Bits == 4 ? 2 : 1;
-  const int64_t K = j.K, gs = j.gs, len = gs / runs, G = K / gs, KB = K * Bits / 8;
-  const uint8_t* __restrict v = j.qv + n * KB;
+  const int64_t K = j.K, gs = j.gs, G = K / gs;
+  const uint8_t* __restrict v = j.qv + n * K;
   const float* __restrict x = j.x;
   __m256 acc[NB][R];
   for (int b = 0; b < NB; ++b)
@@ -257,41 +355,152 @@ PJ_AVX2 void BlockQuantAvx2(const Job& j, int64_t n) {
       sv[b] = _mm256_set1_ps(j.scale[(n + b) * G + g]);
       zv[b] = _mm256_set1_ps(static_cast<float>(j.zero[(n + b) * G + g]));
     }
-    for (int run = 0; run < runs; ++run)
-      for (int64_t o = 0; o < len; o += 8) {
-        __m256 wv[NB];
-        for (int b = 0; b < NB; ++b) wv[b] = DequantAvx2<Bits, Zero>(v + b * KB + g * len + o, run, zv[b], sv[b]);
-        const int64_t k = g * gs + run * len + o;
-        for (int r = 0; r < R; ++r) {
-          __m256 xv = _mm256_loadu_ps(x + r * K + k);
-          for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
-        }
+    for (int64_t o = 0; o < gs; o += 8) {
+      __m256 wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = DequantAvx2<Zero>(v + b * K + g * gs + o, zv[b], sv[b]);
+      for (int r = 0; r < R; ++r) {
+        __m256 xv = _mm256_loadu_ps(x + r * K + g * gs + o);
+        for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
       }
+    }
   }
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) j.Store(r, n + b, HsumAvx2(acc[b][r]));
 }
 
-template <int Bits, bool Zero>
+template <bool Zero>
 PJ_AVX2 void DequantRowsAvx2(const Job& j, int64_t n0, int64_t n1, float* out) {
-  constexpr int runs = Bits == 4 ? 2 : 1;
-  const int64_t K = j.K, gs = j.gs, len = gs / runs, G = K / gs, KB = K * Bits / 8;
+  const int64_t K = j.K, gs = j.gs, G = K / gs;
   for (int64_t n = n0; n < n1; ++n, out += K)
     for (int64_t g = 0; g < G; ++g) {
       const __m256 sv = _mm256_set1_ps(j.scale[n * G + g]);
       const __m256 zv = _mm256_set1_ps(static_cast<float>(j.zero[n * G + g]));
-      for (int run = 0; run < runs; ++run)
-        for (int64_t o = 0; o < len; o += 8)
-          _mm256_storeu_ps(out + g * gs + run * len + o, DequantAvx2<Bits, Zero>(j.qv + n * KB + g * len + o, run, zv, sv));
+      for (int64_t o = 0; o < gs; o += 8)
+        _mm256_storeu_ps(out + g * gs + o, DequantAvx2<Zero>(j.qv + n * K + g * gs + o, zv, sv));
     }
 }
 
-template <int Bits, bool Zero, int R>
+template <bool Zero, int R>
 PJ_AVX2 void RowsQuantAvx2(const Job& j, int64_t n0, int64_t n1) {
   constexpr int NB = R <= 2 ? 4 : (R <= 4 ? 2 : 1);  // NB * R accumulators + NB weights, scales, zeros + 1 x
   int64_t n = n0;
-  for (; n + NB <= n1; n += NB) BlockQuantAvx2<Bits, Zero, R, NB>(j, n);
-  for (; n < n1; ++n) BlockQuantAvx2<Bits, Zero, R, 1>(j, n);
+  for (; n + NB <= n1; n += NB) BlockQuantAvx2<Zero, R, NB>(j, n);
+  for (; n < n1; ++n) BlockQuantAvx2<Zero, R, 1>(j, n);
+}
+
+PJ_AVX2 inline float FmaAvx2(float a, float b, float c) {
+  return _mm_cvtss_f32(_mm_fmadd_ss(_mm_set_ss(a), _mm_set_ss(b), _mm_set_ss(c)));
+}
+
+// Job::ZeroShare's lanes and order, vectorized.
+PJ_AVX2 float ZeroShareAvx2(const Job& j, int64_t r, int64_t n) {
+  if (!j.has_zero) return 0.f;
+  const int64_t G = j.K / j.gs;
+  const float* s = j.scale + n * G;
+  const int8_t* z = j.zero + n * G;
+  const float* xr = j.xsum + r * G;
+  __m256 lanes = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= G; g += 8) {
+    const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g))));
+    lanes = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), zf), _mm256_loadu_ps(xr + g), lanes);
+  }
+  float c = HsumAvx2(lanes);
+  for (; g < G; ++g) c = FmaAvx2(s[g] * static_cast<float>(z[g]), xr[g], c);
+  return c;
+}
+
+// int4 against 16-bit x (see Int4Rows): 16 bytes broadcast to both halves, one variable shift and mask per 16
+// nibbles -> int16; per x row two vpmaddwd, an add, a conversion and an FMA per 32 columns.
+template <int R, int NB>
+PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n) {
+  const int64_t K = j.K, gs = j.gs, h = gs / 2, G = K / gs, KB = K / 2;
+  const uint8_t* __restrict v = j.qv + n * KB;
+  const int16_t* __restrict x = j.xq;
+  const __m256i mask = _mm256_set1_epi32(0x000F000F);
+  const __m256i even = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), odd = _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12);
+  __m256 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t o = 0; o < h; o += 16) {
+      for (int b = 0; b < NB; ++b) {
+        const __m256 sv = _mm256_set1_ps(j.scale[(n + b) * G + g]);
+        const __m256i w = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + b * KB + g * h + o)));
+        const __m256i qa = _mm256_and_si256(_mm256_srlv_epi32(w, even), mask);
+        const __m256i qb = _mm256_and_si256(_mm256_srlv_epi32(w, odd), mask);
+        for (int r = 0; r < R; ++r) {
+          const int16_t* xr = x + r * K + g * gs + 2 * o;
+          const __m256i e = _mm256_add_epi32(
+              _mm256_madd_epi16(qa, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr))),
+              _mm256_madd_epi16(qb, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xr + 16))));
+          acc[b][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(e), sv, acc[b][r]);
+        }
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) j.Store(r, n + b, (HsumAvx2(acc[b][r]) - ZeroShareAvx2(j, r, n + b)) * j.xs[r]);
+}
+
+// 8 columns of x at p times inv, rounded to int32 within +-32767, the even columns in the low half.
+PJ_AVX2 inline __m256i RoundedAvx2(const float* p, __m256 inv) {
+  const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(p), inv), _mm256_set1_ps(-kInt16Max)),
+                                 _mm256_set1_ps(kInt16Max));
+  return _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(v), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+
+// Int4Rows vectorized, the same bits: cvtps rounds to nearest even as nearbyint does (the default rounding mode).
+PJ_AVX2 void Int4RowsAvx2(const float* x, int64_t R, int64_t K, int64_t gs, int16_t* xq, float* xs, float* xsum) {
+  const int64_t h = gs / 2, G = K / gs;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+  for (int64_t r = 0; r < R; ++r, x += K, xq += K, xsum += G) {
+    __m256 amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + k), magnitude);
+      amax = _mm256_max_ps(amax, a);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, largest, _CMP_NLE_UQ));  // > the largest float, or NaN
+    }
+    if (_mm256_movemask_ps(bad)) {
+      xs[r] = std::numeric_limits<float>::quiet_NaN();
+      std::fill(xq, xq + K, int16_t{0});
+      std::fill(xsum, xsum + G, 0.f);
+      continue;
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float largest_abs = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    xs[r] = largest_abs / kInt16Max;
+    const __m256 inv = _mm256_set1_ps(largest_abs > 0.f ? kInt16Max / largest_abs : 0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      __m256i sum = _mm256_setzero_si256();
+      for (int64_t o = 0; o < h; o += 16) {
+        const float* p = x + g * gs + o;
+        const __m256i a = RoundedAvx2(p, inv), b = RoundedAvx2(p + 8, inv), c = RoundedAvx2(p + h, inv),
+                      d = RoundedAvx2(p + h + 8, inv);
+        const __m256i even1 = _mm256_permute2x128_si256(a, b, 0x20), odd1 = _mm256_permute2x128_si256(a, b, 0x31);
+        const __m256i even2 = _mm256_permute2x128_si256(c, d, 0x20), odd2 = _mm256_permute2x128_si256(c, d, 0x31);
+        __m256i* out = reinterpret_cast<__m256i*>(xq + g * gs + 2 * o);
+        _mm256_storeu_si256(out, _mm256_permute4x64_epi64(_mm256_packs_epi32(even1, even2), 0xD8));
+        _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(_mm256_packs_epi32(odd1, odd2), 0xD8));
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_add_epi32(even1, even2), _mm256_add_epi32(odd1, odd2)));
+      }
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+      xsum[g] = static_cast<float>(_mm_cvtsi128_si32(s4));
+    }
+  }
+}
+
+template <int R>
+PJ_AVX2 void RowsInt4Avx2(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int NB = R <= 1 ? 4 : (R <= 2 ? 3 : (R <= 4 ? 2 : 1));
+  int64_t n = n0;
+  for (; n + NB <= n1; n += NB) BlockInt4Avx2<R, NB>(j, n);
+  for (; n < n1; ++n) BlockInt4Avx2<R, 1>(j, n);
 }
 
 // ---- AVX-512 (F, BW, VL): 16 lanes, masked tail ---------------------------------------------------------------
@@ -400,7 +609,9 @@ PJ_BF16 void RowsBf16(const Job& j, int64_t n0, int64_t n1) {
 
 using RowsFn = void (*)(const Job&, int64_t, int64_t);
 
-#define PJ_TABLE(fn, WT) {fn<WT, 1>, fn<WT, 2>, fn<WT, 3>, fn<WT, 4>, fn<WT, 5>, fn<WT, 6>, fn<WT, 7>, fn<WT, 8>}
+// A row-count table {fn<..., 1>, ..., fn<..., 8>}: PJ_RTABLE(RowsAvx2<float,) or PJ_RTABLE(RowsBf16<).
+#define PJ_RTABLE(...) {__VA_ARGS__ 1>, __VA_ARGS__ 2>, __VA_ARGS__ 3>, __VA_ARGS__ 4>, __VA_ARGS__ 5>, \
+                        __VA_ARGS__ 6>, __VA_ARGS__ 7>, __VA_ARGS__ 8>}
 
 // The code path for `requested` (0 auto): 4 AVX512_BF16 (bf16 x and bf16 w only), 3 AVX-512, 2 AVX2, 1 portable.
 int ResolveIsa(int32_t requested, bool x_bf16, bool w_bf16) {
@@ -422,12 +633,11 @@ int ResolveIsa(int32_t requested, bool x_bf16, bool w_bf16) {
 }
 
 RowsFn Select(int isa, bool w_bf16, int rows) {
-  static const RowsFn portable[2][kMaxRows] = {PJ_TABLE(RowsPortable, float), PJ_TABLE(RowsPortable, uint16_t)};
+  static const RowsFn portable[2][kMaxRows] = {PJ_RTABLE(RowsPortable<float,), PJ_RTABLE(RowsPortable<uint16_t,)};
 #if PJ_X86
-  static const RowsFn avx2[2][kMaxRows] = {PJ_TABLE(RowsAvx2, float), PJ_TABLE(RowsAvx2, uint16_t)};
-  static const RowsFn avx512[2][kMaxRows] = {PJ_TABLE(RowsAvx512, float), PJ_TABLE(RowsAvx512, uint16_t)};
-  static const RowsFn bf16[kMaxRows] = {RowsBf16<1>, RowsBf16<2>, RowsBf16<3>, RowsBf16<4>,
-                                        RowsBf16<5>, RowsBf16<6>, RowsBf16<7>, RowsBf16<8>};
+  static const RowsFn avx2[2][kMaxRows] = {PJ_RTABLE(RowsAvx2<float,), PJ_RTABLE(RowsAvx2<uint16_t,)};
+  static const RowsFn avx512[2][kMaxRows] = {PJ_RTABLE(RowsAvx512<float,), PJ_RTABLE(RowsAvx512<uint16_t,)};
+  static const RowsFn bf16[kMaxRows] = PJ_RTABLE(RowsBf16<);
   if (isa == 4) return bf16[rows - 1];
   if (isa == 3) return avx512[w_bf16][rows - 1];
   if (isa == 2) return avx2[w_bf16][rows - 1];
@@ -435,37 +645,33 @@ RowsFn Select(int isa, bool w_bf16, int rows) {
   return portable[w_bf16][rows - 1];
 }
 
-// Quantized weights: the AVX2 path wherever AVX2 runs (AVX-512 CPUs included), else portable; a chunk dequantized
-// for more than kBlockRows rows runs the float32 code of the same ISA, so both give the same bits.
+// Quantized weights: the AVX2 path wherever AVX2 runs (AVX-512 CPUs included), else portable. int8: a chunk
+// dequantized for more than kMaxRows rows runs the float32 code of the same ISA, so both give the same bits. int4:
+// the AVX2 and portable paths give the same bits (RowsInt4Portable).
 int QuantIsa(int32_t requested) { return ResolveIsa(requested, false, false) >= 2 ? 2 : 1; }
 
 using DequantFn = void (*)(const Job&, int64_t, int64_t, float*);
 
-DequantFn SelectDequant(int isa, int bits, bool zero) {
+DequantFn SelectDequant(int isa, bool zero) {
 #if PJ_X86
-  if (isa == 2) return bits == 4 ? DequantRowsAvx2<4, true> : (zero ? DequantRowsAvx2<8, true> : DequantRowsAvx2<8, false>);
+  if (isa == 2) return zero ? DequantRowsAvx2<true> : DequantRowsAvx2<false>;
 #endif
-  (void)bits;
+  (void)isa;
   (void)zero;
   return DequantRowsPortable;
 }
 
-#define PJ_QTABLE(fn, B, Z) {fn<B, Z, 1>, fn<B, Z, 2>, fn<B, Z, 3>, fn<B, Z, 4>, fn<B, Z, 5>, fn<B, Z, 6>, fn<B, Z, 7>, \
-                           fn<B, Z, 8>}
-
 RowsFn SelectQuant(int isa, int bits, bool zero, int rows) {
-  static const RowsFn portable[kMaxRows] = {RowsQuantPortable<1>, RowsQuantPortable<2>, RowsQuantPortable<3>,
-                                            RowsQuantPortable<4>, RowsQuantPortable<5>, RowsQuantPortable<6>,
-                                            RowsQuantPortable<7>, RowsQuantPortable<8>};
+  static const RowsFn portable[2][kMaxRows] = {PJ_RTABLE(RowsQuantPortable<), PJ_RTABLE(RowsInt4Portable<)};
 #if PJ_X86
-  static const RowsFn avx2[3][kMaxRows] = {PJ_QTABLE(RowsQuantAvx2, 4, true), PJ_QTABLE(RowsQuantAvx2, 8, true),
-                                           PJ_QTABLE(RowsQuantAvx2, 8, false)};
-  if (isa == 2) return avx2[bits == 4 ? 0 : (zero ? 1 : 2)][rows - 1];
+  static const RowsFn avx2[3][kMaxRows] = {PJ_RTABLE(RowsQuantAvx2<false,), PJ_RTABLE(RowsQuantAvx2<true,),
+                                           PJ_RTABLE(RowsInt4Avx2<)};
+  if (isa == 2) return avx2[bits == 4 ? 2 : zero][rows - 1];
 #else
-  (void)bits;
+  (void)isa;
   (void)zero;
 #endif
-  return portable[rows - 1];
+  return portable[bits == 4][rows - 1];
 }
 
 // Work shared by the calling thread and pool tasks: chunks of output features claimed from an atomic counter, so
@@ -482,7 +688,11 @@ struct Shared {
 
   // Rows per pass over a chunk's weights: all of them for quantized weights up to kMaxRows (each weight dequantized
   // once in registers for every row), else kBlockRows.
-  int64_t Block() const { return job.qv && job.R <= kMaxRows ? job.R : kBlockRows; }
+  // int4: always blocks of kMaxRows (its integer rows never take the float32 code).
+  int64_t Block() const {
+    if (job.qv && (job.R <= kMaxRows || job.bits == 4)) return job.R < kMaxRows ? job.R : kMaxRows;
+    return kBlockRows;
+  }
   std::atomic<int64_t> next{0}, done{0};
 
   void Work() {
@@ -496,7 +706,7 @@ struct Shared {
       int64_t n0 = c * chunk, n1 = n0 + chunk < job.N ? n0 + chunk : job.N;
       Job base = job;
       const RowsFn* table = fns;
-      if (job.qv && job.R > block) {  // dequantize the chunk once, then float32 rows over it (features from 0)
+      if (job.qv && job.bits == 8 && job.R > block) {  // dequantize the chunk once, then float32 rows over it (features from 0)
         thread_local std::vector<float> buffer;
         if (static_cast<int64_t>(buffer.size()) < (n1 - n0) * job.K) buffer.resize((n1 - n0) * job.K);
         dequant(job, n0, n1, buffer.data());
@@ -512,6 +722,9 @@ struct Shared {
         Job rows = base;
         rows.x = job.x + r0 * job.K;
         rows.xb = job.xb ? job.xb + r0 * job.K : nullptr;
+        rows.xq = job.xq ? job.xq + r0 * job.K : nullptr;
+        rows.xs = job.xs ? job.xs + r0 : nullptr;
+        rows.xsum = job.xsum ? job.xsum + r0 * (job.K / job.gs) : nullptr;
         rows.y = static_cast<char*>(base.y) + r0 * ystride;
         rows.R = R;
         table[R - 1](rows, n0, n1);
@@ -585,9 +798,9 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int bits = values.element_type() == ffi::DataType::U8 ? 4 : 8;
   if (xd.size() != 2 || vd.size() != 2 || sd.size() != 2 || zd.size() != 2 || yd.size() != 2 ||
       vd[1] * 8 / bits != xd[1] || sd[0] != vd[0] || zd[0] != vd[0] || zd[1] != sd[1] || yd[0] != xd[0] ||
-      yd[1] != vd[0] || sd[1] == 0 || xd[1] % sd[1] != 0 || (xd[1] / sd[1]) % (bits == 4 ? 16 : 8) != 0)
+      yd[1] != vd[0] || sd[1] == 0 || xd[1] % sd[1] != 0 || (xd[1] / sd[1]) % (bits == 4 ? 32 : 8) != 0)
     return ffi::Error::InvalidArgument("pocketjax quantized_matmul: expects x [rows, in], values [out, in * bits / 8], "
-                                       "scale and zero [out, in / gs] (gs a multiple of 16 for int4, 8 for int8), "
+                                       "scale and zero [out, in / gs] (gs a multiple of 32 for int4, 8 for int8), "
                                        "y [rows, out]");
   const ffi::DataType xt = x.element_type();
   if (!FloatRowsType(xt) || y->element_type() != xt ||
@@ -610,8 +823,25 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     s->fns[r - 1] = SelectQuant(resolved, bits, has_zero, r);
     s->dense[r - 1] = Select(resolved, false, r);
   }
-  s->dequant = SelectDequant(resolved, bits, has_zero);
-  Run(pool, s, K * bits / 8 + sd[1] * 5, K * 4);
+  s->dequant = SelectDequant(resolved, has_zero);
+  if (bits == 4) {  // x rounded to int16 once per call (Int4Rows), kept per thread like FloatRows' copy
+    thread_local std::vector<int16_t> xq;
+    thread_local std::vector<float> xs;
+    const int64_t floats = rows * (1 + sd[1]);
+    if (static_cast<int64_t>(xq.size()) < rows * K) xq.resize(rows * K);
+    if (static_cast<int64_t>(xs.size()) < floats) xs.resize(floats);
+#if PJ_X86
+    if (resolved == 2)
+      Int4RowsAvx2(s->job.x, rows, K, s->job.gs, xq.data(), xs.data(), xs.data() + rows);
+    else
+#endif
+      Int4Rows(s->job.x, rows, K, s->job.gs, xq.data(), xs.data(), xs.data() + rows);
+    s->job.xq = xq.data();
+    s->job.xs = xs.data();
+    s->job.xsum = xs.data() + rows;
+    s->job.has_zero = has_zero;
+  }
+  Run(pool, s, K * bits / 8 + sd[1] * 5, bits == 4 ? K / 2 + sd[1] * 5 : K * 4);
   return ffi::Error::Success();
 }
 
