@@ -19,9 +19,11 @@ Schemes (every weight is [out, in], HF's layout, as all linears here):
   projection (vocab is its out axis).
 
 Matmul (`layers.linear`): in a single-device CPU program with the native kernels built, int8 and int4 weights go to
-`cpu_kernels.quantized_matmul` (csrc/skinny_matmul.cc), which dequantizes each weight in registers exactly as
-`dequantize` does and sums as the float32 kernel: bitwise x @ dequantize(w).T in pocketjax's float form, with full
-precision activations, batch-invariant, reading 8 or 5.25 bits per weight. Elsewhere (a mesh, no compiler):
+`cpu_kernels.quantized_matmul` (csrc/skinny_matmul.cc), batch-invariant, reading 8 or 5.25 bits per weight: int8
+dequantized in registers exactly as `dequantize` does and summed as the float32 kernel (bitwise x @ dequantize(w).T
+in pocketjax's float form, full precision activations); int4 an integer product against activations rounded to 16
+bits per row (the two digits' precision below; dequantizing nibbles made that kernel compute bound). Elsewhere (a
+mesh, no compiler):
 per-channel int8 on CPU is an integer dot (`int8_product`, the weight the dot's row-major
 left operand: 15-20x faster than what follows, 2-2.5x faster than float32) with each activation row written as two
 int8 digits (`activation_digits`: x ~= s (hi + lo / 254), s = max|row| / 127), stacked into one dot over 2 x rows.
