@@ -62,8 +62,8 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16", "float16"],
                    help="the checkpoint's dtype (presets are built in it); peers run in it")
     p.add_argument("--quantize", default=default(""),
-                   help="comma-separated weight quantizations pocketjax runs, each its own rows ('none', int8, int4, "
-                        "int8+head, int4+head; empty: none)")
+                   help="comma-separated weight quantizations pocketjax runs, each its own rows ('none' or a "
+                        "quant.MODES name: int8, int4, int8+head, int4+head, int4+head8; empty: none)")
     p.add_argument("--load-dtypes", default=default(""),
                    help="comma-separated dtypes pocketjax loads the same checkpoint in, each its own rows "
                         "('default': load_model's default for it; empty: --dtype)")

@@ -57,7 +57,7 @@ EMBEDDED = Path(__file__).resolve().parent.parent / "pocketjax" / "assets" / "po
 SPEED_VARIANTS = [("float32", None, None), ("bfloat16", None, None), ("float32", "int8", None),
                   ("float32", "int4", None), ("bfloat16", "int8", None), ("bfloat16", "int4", None),
                   ("float32", None, "int8"), ("bfloat16", None, "int8"), ("bfloat16", None, "float8_e4m3fn")]
-PPL_MODES = [None, "int8", "int4", "int8+head", "int4+head"]
+PPL_MODES = [None, "int8", "int4", "int8+head", "int4+head", "int4+head8"]
 KV_MODES = ["int8", "float8_e4m3fn"]
 SEED_64L = dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
                 num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8)
@@ -227,7 +227,7 @@ def main() -> None:
 
     # bytes: every variant against the bfloat16 model
     bf16_linear, bf16_total = weight_bytes(pj.load_model(folder, dtype="bfloat16"))
-    for mode in ("int8", "int4", "int8+head", "int4+head"):
+    for mode in PPL_MODES[1:]:
         linear, total = weight_bytes(pj.load_model(folder, dtype="bfloat16", quantize=mode))
         records.append({"kind": "weights", "variant": mode, "linear_bytes": linear, "total_bytes": total,
                         "linear_vs_bf16": linear / bf16_linear, "total_vs_bf16": total / bf16_total})

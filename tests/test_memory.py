@@ -41,7 +41,7 @@ def test_kv_heads_fewer_than_tp_are_replicated():
     assert two.details["kv_cache.values"] == one.details["kv_cache.values"]
 
 
-@pytest.mark.parametrize("quantize", [None, "int8", "int4", "int4+head"])
+@pytest.mark.parametrize("quantize", [None, "int8", "int4", "int4+head8"])
 @pytest.mark.parametrize("tp", [1, 2])
 def test_plan_matches_what_load_model_places(hf_checkpoint, quantize, tp):
     folder = hf_checkpoint("qwen3_gqa4_headdim")

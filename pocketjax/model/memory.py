@@ -72,7 +72,7 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
                 attention: str = "pallas") -> MemoryPlan:
     """The MemoryPlan (bytes per device) of serving a model at tensor parallelism `tp` with `slots` x `max_seq_len`.
 
-    dtype: weights and activations; quantize: None | "int8" | "int4" | "int8+head" | "int4+head" (as load_model);
+    dtype: weights and activations; quantize: None | a quant.MODES name (as load_model);
     a config with an AWQ/GPTQ `quantization` is planned as load_model places it (int4 linears with the checkpoint's
     group, GPTQ desc_act's int32 permutation, the rest in dtype; it takes no `quantize`, as load_model).
     kv_dtype: the cache (default: dtype; "int8" adds float32 per-token, per-head scales).
@@ -98,10 +98,10 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     largest_linear = 0
     for path, _, shape in param_tensors(config):
         name = path[-1]
-        if mode is not None and (name in quant.LINEAR_NAMES or (mode[1] and name in quant.HEAD_NAMES)):
+        if quant.bits_for(mode, name) is not None:
             # quantized weights keep the float weight's [out, in] layout (see quant.quantizing_placer)
             path = (quant.QUANTIZED,) + path
-            leaves = quant.leaf_shapes(*shape, mode[0]).values()
+            leaves = quant.leaf_shapes(*shape, quant.bits_for(mode, name)).values()
         elif stored is not None and name in quant.LINEAR_NAMES:  # prequantized.read_linear's QuantizedWeight
             path = (quant.QUANTIZED,) + path
             leaves = quant.leaf_shapes(*shape, stored.bits, stored.group_for(shape[1]),

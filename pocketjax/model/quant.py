@@ -14,9 +14,11 @@ Schemes (every weight is [out, in], HF's layout, as all linears here):
   group does not reach); and AWQ and GPTQ checkpoints (asymmetric, or symmetric = zero 8) are exactly this form, so
   one representation and one dequantization path serve our own int4 and every pre-quantized checkpoint.
 - Scales are float32: exact for fp16 checkpoint scales, and the fitted error is the error of the scale stored.
-- Embedding and lm_head stay in the model dtype. "int8+head" / "int4+head" quantize them too (same bits); a tied
-  table [vocab, hidden] is one QuantizedWeight that serves both the token gather (`embed`, rows) and the output
-  projection (vocab is its out axis).
+- Embedding and lm_head stay in the model dtype. "int8+head" / "int4+head" quantize them too (same bits),
+  "int4+head8" in int8 (int4 linears: llama.cpp's Q4_0 / Q4_K_M keep the output matrix at 6 bits for the same reason:
+  a 4-bit head costs more perplexity than every linear together, an 8-bit one nothing measurable); a tied table
+  [vocab, hidden] is one QuantizedWeight that serves both the token gather (`embed`, rows) and the output projection
+  (vocab is its out axis).
 
 Matmul (`layers.linear`): in a single-device CPU program with the native kernels built, int8 and int4 weights go to
 `cpu_kernels.quantized_matmul` (csrc/skinny_matmul.cc), batch-invariant, reading 8 or 5.25 bits per weight: int8
@@ -56,7 +58,8 @@ import numpy as np
 from ..errors import ConfigError
 from .numerics import opaque
 
-MODES = {"int8": (8, False), "int4": (4, False), "int8+head": (8, True), "int4+head": (4, True)}
+# mode -> (bits of the linears, bits of the embedding / lm_head or None: kept in the model dtype)
+MODES = {"int8": (8, None), "int4": (4, None), "int8+head": (8, 8), "int4+head": (4, 4), "int4+head8": (4, 8)}
 GROUP_SIZE = 32  # llama.cpp's block. Measured on the embedded model (bench_quant.py), with `fit_int4`: int4 +0.42%
 # perplexity at 32, +0.64% at 64, +0.99% at 128 (Q4_K_M +0.55%, Q4_0 +1.11%); 5.25 bits per weight (Q4_0: 4.5)
 MIN_GROUP_SIZE = 32
@@ -101,13 +104,20 @@ class QuantizedWeight:
         return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self))
 
 
-def parse_mode(quantize: str | None) -> tuple[int, bool] | None:
-    """(bits, quantize embedding/lm_head too) for a `quantize=` value; None for None; ConfigError otherwise."""
+def parse_mode(quantize: str | None) -> tuple[int, int | None] | None:
+    """(linear bits, embedding/lm_head bits or None) for a `quantize=` value; None for None; ConfigError otherwise."""
     if quantize is None:
         return None
     if quantize not in MODES:
         raise ConfigError(f"quantize={quantize!r} is not supported (supported: None, {', '.join(MODES)})")
     return MODES[quantize]
+
+
+def bits_for(mode: tuple[int, int | None] | None, name: str) -> int | None:
+    """The bits a `parse_mode` mode quantizes the weight called `name` to; None: it stays a float weight."""
+    if mode is None:
+        return None
+    return mode[0] if name in LINEAR_NAMES else mode[1] if name in HEAD_NAMES else None
 
 
 def group_size_for(in_features: int, group: int = GROUP_SIZE) -> int:
@@ -348,9 +358,9 @@ Placer = Callable[[tuple, np.ndarray], Any]
 
 
 def quantizing_placer(place: Placer, quantize: str | None, dtype) -> Placer:
-    """Wrap a checkpoint Placer: linear weights (and with "+head" the embedding / lm_head) are quantized on the host,
-    other arrays are cast to `dtype`, and QuantizedWeights (quantized here or read from an AWQ/GPTQ checkpoint) are
-    placed leaf by leaf.
+    """Wrap a checkpoint Placer: linear weights (and with "+head" / "+head8" the embedding / lm_head) are quantized on
+    the host (`bits_for`), other arrays are cast to `dtype`, and QuantizedWeights (quantized here or read from an
+    AWQ/GPTQ checkpoint) are placed leaf by leaf.
 
     `place(path, leaf)` receives each of values/scale/zero/perm under (QUANTIZED,) + the weight's own path, so a
     sharding placer gives it the weight's spec (every leaf keeps out first), and replicates a leaf that spec does not
@@ -359,9 +369,9 @@ def quantizing_placer(place: Placer, quantize: str | None, dtype) -> Placer:
     mode = parse_mode(quantize)
 
     def placer(path: tuple, array) -> Any:
-        name = path[-1]
-        if mode is not None and (name in LINEAR_NAMES or (mode[1] and name in HEAD_NAMES)):
-            array = quantize_host(array, mode[0])  # float weights arrive [out, in] (HF's layout), and stay so
+        bits = bits_for(mode, path[-1])
+        if bits is not None:
+            array = quantize_host(array, bits)  # float weights arrive [out, in] (HF's layout), and stay so
         if not isinstance(array, QuantizedWeight):
             return place(path, np.asarray(array, dtype))
         path = (QUANTIZED,) + path
