@@ -153,7 +153,8 @@ def test_int4_kernel_is_its_integer_product_bit_for_bit_at_any_row_count(isa, x_
     """The int4 product is bitwise numpy's model of its steps (`int4_model`) at 1-8 rows (one register block) and over
     8 (blocks of 8), any group that is a multiple of 32 (group counts not a multiple of 8 included), with or without
     zeros, with an outlier channel; within its 16-bit activations' rounding (half a step per value) of the float64
-    product of the dequantized weight; each row alone is the same bits; a row holding a NaN gives NaNs in its row only."""
+    product of the dequantized weight; each row alone is the same bits; a row holding a NaN gives NaNs in its row
+    only."""
     rng = np.random.default_rng(11)
     kernel = jax.jit(lambda x, w: cpu_kernels.quantized_matmul(x, w, isa))
     for rows, n, k, group, symmetric in [(1, 48, 64, 32, False), (2, 37, 256, 128, False), (3, 20, 96, 32, True),
@@ -178,8 +179,8 @@ def test_int4_kernel_is_its_integer_product_bit_for_bit_at_any_row_count(isa, x_
                                           np.asarray(got[start:start + count], np.float32))
     poisoned = x.at[1, 7].set(jnp.nan)
     out = np.asarray(kernel(poisoned, w), np.float32)
-    assert np.isnan(out[1]).all() and np.array_equal(np.delete(out, 1, axis=0), np.delete(np.asarray(got, np.float32),
-                                                                                            1, axis=0))
+    others = np.delete(np.asarray(got, np.float32), 1, axis=0)
+    assert np.isnan(out[1]).all() and np.array_equal(np.delete(out, 1, axis=0), others)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -402,7 +402,8 @@ PJ_AVX2 float ZeroShareAvx2(const Job& j, int64_t r, int64_t n) {
   __m256 lanes = _mm256_setzero_ps();
   int64_t g = 0;
   for (; g + 8 <= G; g += 8) {
-    const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g))));
+    const __m128i zb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + g));
+    const __m256 zf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(zb));
     lanes = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_loadu_ps(s + g), zf), _mm256_loadu_ps(xr + g), lanes);
   }
   float c = HsumAvx2(lanes);
@@ -687,8 +688,8 @@ struct Shared {
   int64_t chunk, chunks;
 
   // Rows per pass over a chunk's weights: all of them for quantized weights up to kMaxRows (each weight dequantized
-  // once in registers for every row), else kBlockRows.
-  // int4: always blocks of kMaxRows (its integer rows never take the float32 code).
+  // or unpacked once in registers for every row), else kBlockRows; int4 always in blocks of kMaxRows (its integer
+  // rows never take the float32 code).
   int64_t Block() const {
     if (job.qv && (job.R <= kMaxRows || job.bits == 4)) return job.R < kMaxRows ? job.R : kMaxRows;
     return kBlockRows;
@@ -706,7 +707,7 @@ struct Shared {
       int64_t n0 = c * chunk, n1 = n0 + chunk < job.N ? n0 + chunk : job.N;
       Job base = job;
       const RowsFn* table = fns;
-      if (job.qv && job.bits == 8 && job.R > block) {  // dequantize the chunk once, then float32 rows over it (features from 0)
+      if (job.qv && job.bits == 8 && job.R > block) {  // int8: dequantize the chunk once, float32 rows over it
         thread_local std::vector<float> buffer;
         if (static_cast<int64_t>(buffer.size()) < (n1 - n0) * job.K) buffer.resize((n1 - n0) * job.K);
         dequant(job, n0, n1, buffer.data());
