@@ -121,6 +121,12 @@ def workloads(tokenizer: Tokenizer, n: int) -> dict[str, list[list[int]]]:
     return {"copy": copy, "edit": edit, "free": free}
 
 
+def in_vocab(prompts: list[list[int]], vocab_size: int) -> list[list[int]]:
+    """The prompts with each id folded into a smaller model's vocabulary (a preset such as qwen3-micro has 512 ids):
+    id -> id % vocab_size keeps which tokens repeat, and so what the n-gram drafter finds."""
+    return [[t % vocab_size for t in p] for p in prompts]
+
+
 def cycle(engine: Engine, prompts: list[list[int]], gen_len: int, concurrency: int) -> dict:
     """Every prompt through a scheduler, `concurrency` at a time (the next group once the last one finished): decode
     seconds and tokens after each group's prefill, the tokens, the steps, the verify steps, acceptance."""
@@ -184,6 +190,7 @@ def run_benchmark(models: list[str], concurrency: list[int], gen_len: int, repea
                      prefill_chunk=256, compile_cache_dir="off")
         plain, spec = Engine(model, **sizes), Engine(model, **sizes, speculative=spec_config)
         for workload, prompts in prompt_sets.items():
+            prompts = in_vocab(prompts, model.config.vocab_size)
             for c in concurrency:
                 base, fast = compare(plain, spec, prompts, gen_len, c, repeats)
                 record = dict(model=name, workload=workload, concurrency=c, gen_len=gen_len,
@@ -306,7 +313,8 @@ def run_profile(models: list[str], concurrency: list[int], k: int, iters: int, c
         engine = Engine(model, max_batch_size=max(concurrency), max_seq_len=1 << (longest - 1).bit_length(),
                         prefill_chunk=256, compile_cache_dir="off", speculative=spec_config)
         for c in concurrency:
-            record = dict(model=name, k=k, **profile_rows(engine, prompts[:c], iters))
+            record = dict(model=name, k=k, **profile_rows(engine, in_vocab(prompts[:c], model.config.vocab_size),
+                                                          iters))
             records.append(record)
             print(json.dumps(record), flush=True)
     return dict(settings=dict(models=models, concurrency=concurrency, k=k, iters=iters, loadavg=os.getloadavg()),

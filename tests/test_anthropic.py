@@ -199,7 +199,10 @@ def test_api_key_headers(server):
     body = json.dumps({"model": NAME, "max_tokens": 4, "messages": ASK}).encode()
     with pytest.raises(urllib.error.HTTPError) as raised:  # no key at all (the client refuses to send that)
         urllib.request.urlopen(urllib.request.Request(url + "/v1/messages", data=body), timeout=60)
-    assert raised.value.code == 401
+    assert raised.value.code == 401  # answered by the guard before any route, in this API's error shape
+    error = json.loads(raised.value.read())
+    assert error["type"] == "error" and error["error"]["type"] == "authentication_error", error
+    assert "API key" in error["error"]["message"]
 
 
 @pytest.mark.parametrize("kw, named", [

@@ -220,6 +220,12 @@ def test_odd_requests_get_typed_answers(guarded):
     assert status == 404 and body["error"]["code"] == "model_not_found"
     status, body = post(guarded.url + "/v1/completions", {"prompt": "z" * 5000, "max_tokens": 1})
     assert status == 400 and body["error"]["code"] == "prompt_too_long"
+    for param, fields in (("prompt", {"prompt": "z" * 5000}),  # /tokenize holds the same prompt-size limit
+                          ("messages", {"messages": [{"role": "user", "content": "y" * 5000}]})):
+        status, body = post(guarded.url + "/tokenize", fields)
+        assert status == 400 and body["error"]["code"] == "prompt_too_long" and body["error"]["param"] == param
+    status, body = post(guarded.url + "/tokenize", {"prompt": "z" * 100})
+    assert status == 200 and body["count"] > 0
     status, body = post(guarded.url + "/v1/completions", {"prompt": ["a"] * 100, "n": 2, "max_tokens": 1})
     assert status == 400 and body["error"]["param"] == "n"
 

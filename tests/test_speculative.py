@@ -373,8 +373,14 @@ def test_verify_dispatch_refuses_bad_drafts_and_plain_engines(engines, model):
         with pytest.raises(RequestError, match="structured"):
             spec.verify_dispatch([structured], [[]])
         assert all(len(t) == 1 for t in spec.batch_speculative_step([req, structured]))
+        spec.free_slot("s")  # the engine has two slots
+        biased = BatchedRequest("b", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0, logit_bias={5: 1.0}))
+        spec.allocate_slot(biased)
+        spec.batch_prefill([biased])
+        with pytest.raises(RequestError, match="'b' has token limits"):  # the message says which rule refuses it
+            spec.verify_dispatch([biased], [[]])
     finally:
-        for request_id in ("x", "s"):
+        for request_id in ("x", "s", "b"):
             if spec.slots.slot_of(request_id) is not None:
                 spec.free_slot(request_id)
     with pytest.raises(RequestError, match="does not speculate"):

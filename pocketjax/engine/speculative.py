@@ -143,11 +143,24 @@ class StepClock:
         return (verify + max(0.0, (fed or plain) - plain)) / plain
 
 
+def why_no_drafts(req: BatchedRequest) -> str | None:
+    """Why a request never drafts (None: it may): structured outputs and token limits (`processors`: their tokens
+    are constrained by a mask and bias the verify step does not apply), and requests capturing activations (a verify
+    returns none)."""
+    sampling = req.sampling
+    if getattr(sampling, "structured", None) is not None:
+        return "a structured output (a token mask the verify step does not apply)"
+    if sampling.limited:
+        return ("token limits (min_tokens, logit_bias, allowed_token_ids or bad_words: a mask and bias the verify "
+                "step does not apply)")
+    if sampling.return_hidden:
+        return "return_hidden (a verify step captures no activations)"
+    return None
+
+
 def drafts_nothing(req: BatchedRequest) -> bool:
-    """Requests that never draft: structured outputs and token limits (`processors`: their tokens are constrained
-    by a mask and bias the verify step does not apply), and requests capturing activations (a verify returns none)."""
-    return (getattr(req.sampling, "structured", None) is not None or req.sampling.limited
-            or bool(req.sampling.return_hidden))
+    """True for a request that never drafts (`why_no_drafts`)."""
+    return why_no_drafts(req) is not None
 
 
 class Speculator:

@@ -15,7 +15,7 @@ from .decode_policy import DecodePolicy
 from .pending import PendingVerify
 from .plan import verify_plans
 from .request import BatchedRequest, RequestStatus, batch
-from .speculative import drafts_nothing
+from .speculative import why_no_drafts
 
 
 class SpeculativeSteps:
@@ -53,9 +53,9 @@ class SpeculativeSteps:
                 raise RequestError(f"request {req.request_id!r} must be prefilled before decoding")
             if req.in_flight:
                 raise RequestError(f"request {req.request_id!r} has a decode step in flight: collect it first")
-            if drafts_nothing(req):
-                raise RequestError(f"request {req.request_id!r} has a structured output: the verify step applies no "
-                                   f"token mask, so decode it with decode_dispatch")
+            reason = why_no_drafts(req)
+            if reason is not None:
+                raise RequestError(f"request {req.request_id!r} has {reason}: decode it with decode_dispatch")
             if len(d) > self.speculator.k or not all(isinstance(t, (int, np.integer)) for t in d):
                 raise RequestError(f"request {req.request_id!r}: a draft is at most {self.speculator.k} token ids")
         step = PendingVerify(list(requests), [], None, None)

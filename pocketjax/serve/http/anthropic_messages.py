@@ -156,8 +156,9 @@ def anthropic_error(status: int, body: dict[str, Any]) -> dict[str, Any]:
 
 
 class AnthropicRoute(APIRoute):
-    """A route whose errors, validation failures and 401s included, answer in Anthropic's error shape with the
-    status the app's handlers give them (and their Retry-After)."""
+    """A route whose errors, validation failures included, answer in Anthropic's error shape with the
+    status the app's handlers give them (and their Retry-After); the 401 / 413 / 408 that `HTTPGuard` answers before
+    a route runs take the same shape through its `error_shapes`."""
 
     def get_route_handler(self):  # noqa: ANN201 - Starlette's handler type
         handler = super().get_route_handler()

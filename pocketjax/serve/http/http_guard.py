@@ -230,9 +230,13 @@ class ConnectionRules:
             self.transport.close()
 
 
-async def _answer(send: Send, status: int, message: str, code: str | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                 "code": code}}).encode()
+ErrorShape = Callable[[int, dict[str, Any]], dict[str, Any]]
+
+
+async def _answer(send: Send, status: int, message: str, code: str | None = None,
+                  shape: ErrorShape | None = None) -> None:
+    error = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    body = json.dumps(error if shape is None else shape(status, error)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
@@ -250,28 +254,38 @@ def key_given(key: bytes, authorization: bytes, x_api_key: bytes) -> bool:
 
 
 class HTTPGuard:
-    """ASGI middleware: 401 before any body is read, 413 past `max_body_bytes`, 408 past `body_timeout_s`."""
+    """ASGI middleware: 401 before any body is read, 413 past `max_body_bytes`, 408 past `body_timeout_s`.
+
+    `error_shapes` maps a path prefix to the function that turns the OpenAI error body into that API's own shape
+    (Anthropic's /v1/messages), so a client reads the guard's errors as it reads the route's."""
 
     def __init__(self, app: Callable, *, api_key: str | None, limits: ServerLimits,
-                 open_paths: tuple[str, ...] = OPEN_PATHS):
+                 open_paths: tuple[str, ...] = OPEN_PATHS, error_shapes: dict[str, ErrorShape] | None = None):
         self.app, self.limits, self.open_paths = app, limits, open_paths
+        self.error_shapes = error_shapes or {}
         self.expected = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.expected is not None and scope.get("path") not in self.open_paths:
+        path = scope.get("path") or ""
+        shape = next((f for prefix, f in self.error_shapes.items() if path.startswith(prefix)), None)
+
+        async def answer(status: int, message: str, code: str | None = None) -> None:
+            await _answer(send, status, message, code, shape)
+
+        if self.expected is not None and path not in self.open_paths:
             if not key_given(self.expected, headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")):
-                return await _answer(send, 401, MISSING_KEY, "invalid_api_key")
+                return await answer(401, MISSING_KEY, "invalid_api_key")
         limit = self.limits.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None:
             if not declared.isdigit():
-                return await _answer(send, 400, "malformed Content-Length")
+                return await answer(400, "malformed Content-Length")
             if int(declared) > limit:
-                return await _answer(send, 413, f"request body of {int(declared)} bytes is over the limit of "
-                                                f"{limit} bytes", "body_too_large")
+                return await answer(413, f"request body of {int(declared)} bytes is over the limit of "
+                                         f"{limit} bytes", "body_too_large")
         if scope.get("method") in ("GET", "HEAD", "OPTIONS", "DELETE") and declared is None:
             return await self.app(scope, receive, send)
         chunks, size = [], 0
@@ -281,14 +295,14 @@ class HTTPGuard:
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
             except asyncio.TimeoutError:
-                return await _answer(send, 408, f"the request body did not arrive within "
-                                                f"{self.limits.body_timeout_s:g} s", "request_timeout")
+                return await answer(408, f"the request body did not arrive within "
+                                         f"{self.limits.body_timeout_s:g} s", "request_timeout")
             if message["type"] == "http.disconnect":
                 return None
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
-                return await _answer(send, 413, f"request body is over the limit of {limit} bytes", "body_too_large")
+                return await answer(413, f"request body is over the limit of {limit} bytes", "body_too_large")
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import APIRouter, FastAPI
 
 from ...errors import ConfigError
-from .anthropic_messages import messages_router
+from .anthropic_messages import anthropic_error, messages_router
 from .completions import completions_router
 from .context import ServeContext
 from .http_guard import HTTP_PROTOCOL, HTTPGuard, ServerLimits
@@ -55,7 +55,7 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     name = model_name or default_model_name(llm)
     app = FastAPI(title="pocketjax", version="0.1.0")
     install_error_handlers(app)
-    app.add_middleware(HTTPGuard, api_key=api_key, limits=limits)
+    app.add_middleware(HTTPGuard, api_key=api_key, limits=limits, error_shapes={"/v1/messages": anthropic_error})
     metrics = app.state.metrics = RequestMetrics(llm, name)
     app.add_middleware(HTTPCounter, metrics=metrics)
     ctx = app.state.context = ServeContext(llm, name, limits, metrics, int(time.time()),

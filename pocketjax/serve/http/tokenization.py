@@ -54,7 +54,8 @@ def tokenization_router(ctx: ServeContext) -> APIRouter:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "send exactly one of prompt or messages", param="prompt")
-        if body.messages is None:
+        if body.messages is None:  # the server's prompt-size limit holds here as on /v1: 400 before tokenizing
+            ctx.check_size("prompt", prompt=body.prompt)
             ids = await ctx.off_loop(tokenizer.encode, body.prompt,  # a large prompt: off the event loop
                                      add_special_tokens=body.add_special_tokens in (None, True))
         else:
@@ -71,6 +72,8 @@ def tokenization_router(ctx: ServeContext) -> APIRouter:
                                                      continue_final_message=body.continue_final_message, **options)
                 return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
+            ctx.check_size("messages", messages=body.messages, chat_template_kwargs=body.chat_template_kwargs,
+                           tools=body.tools)
             ids = await ctx.off_loop(render)
         out: dict[str, Any] = {"count": len(ids), "max_model_len": llm.engine.max_seq_len, "tokens": ids,
                                "token_strs": None}
