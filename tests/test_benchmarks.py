@@ -3,6 +3,7 @@ benchmarks/common.py, what the scripts share."""
 import argparse
 import importlib.util
 import json
+import platform
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from types import SimpleNamespace
 
 from benchmarks import bench_engine, common, roofline
 from benchmarks.peers import launch
-from benchmarks.presets import gguf_tensor_name, preset_config
+from benchmarks.presets import PRESETS, gguf_tensor_name, preset_config
 from pocketjax.model.checkpoint import expected_shapes
 from pocketjax.model.config import DTYPES, ModelConfig
 
@@ -201,3 +202,27 @@ def test_each_gguf_type_is_its_own_peer_process_and_peers_import_no_jax(tmp_path
             "benchmarks.peers.transformers_peer, benchmarks.peers.vllm_server; "
             "assert not {'jax', 'pocketjax', 'torch'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=launch.ROOT)
+
+
+def test_weight_read_reads_every_matrix_a_decode_step_multiplies():
+    """The probe's shapes are the checkpoint's 2-D weights (norms aside), the tied embedding read once as the head."""
+    from benchmarks.weight_read import step_shapes
+
+    config = ModelConfig.from_dict(preset_config("qwen3-0.6b"))
+    matrices = [shape for name, shape in expected_shapes(config).items() if len(shape) == 2]
+    assert sorted(step_shapes(PRESETS["qwen3-0.6b"])) == sorted(matrices)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="an x86-64 (AVX2) probe")
+def test_weight_read_quick_run_times_each_form(tmp_path):
+    from benchmarks import weight_read
+
+    out = tmp_path / "w.json"
+    weight_read.main(["--quick", "--json", str(out)])
+    result = json.loads(out.read_text())
+    forms = {(r["form"], r["dtype"]) for r in result["records"]}
+    assert forms == {("read", "float32"), ("kernel", "float32"), ("read", "bfloat16"), ("kernel", "bfloat16"),
+                     ("evenodd", "bfloat16")}
+    gb = {r["dtype"]: r["GB"] for r in result["records"]}
+    assert gb["float32"] == pytest.approx(2 * gb["bfloat16"])  # the same shapes at 4 and 2 bytes
+    assert all(r["median_ms"] > 0 for r in result["records"]) and len(result["ratios"]) == 4
