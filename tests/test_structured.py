@@ -266,6 +266,29 @@ def test_a_bad_constraint_fails_at_submit_and_its_batch_mates_are_served(tiny):
         without.validate(BatchedRequest("x", [1], pj.SamplingParams(structured=pj.Structured(regex="a"))))
 
 
+def test_without_llguidance_pocketjax_imports_and_a_constraint_says_what_to_install(tiny, monkeypatch):
+    """llguidance is imported on the first constraint: a machine without it (the lent GPU host) imports pocketjax
+    and serves unconstrained requests; a constrained one fails at submit with a StructuredOutputError naming it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['llguidance'] = None; import pocketjax, pocketjax.serve.llm, "
+            "pocketjax.engine.structured; print('imported')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "imported" in run.stdout, run.stderr[-2000:]
+    model, tok, engine, _ = tiny
+    good = ([7, 8, 9], pj.SamplingParams(max_tokens=6, temperature=0.0))
+    expected = served(engine, [good])[0].result().token_ids
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` raises ImportError
+    sched = pj.Scheduler(engine)
+    bad = sched.submit([1, 2], pj.SamplingParams(structured=pj.Structured(regex="never compiled before [0-9]+")))
+    handle = sched.submit(*good)
+    drain(sched)
+    with pytest.raises(StructuredOutputError, match=r"pip install 'llguidance"):
+        bad.result(timeout=0)
+    assert handle.result().token_ids == expected
+
+
 @pytest.mark.parametrize("pipeline", [True, False])
 def test_a_grammar_that_reaches_no_token_ends_its_request_with_the_error(tiny, pipeline):
     model, tok, engine, _ = tiny

@@ -20,10 +20,7 @@ from copy import copy
 from dataclasses import dataclass
 from typing import Any
 
-import llguidance
 import numpy as np
-from llguidance import LLMatcher
-from llguidance.numpy import fill_next_token_bitmask_par
 
 from ..errors import StructuredOutputError
 
@@ -32,6 +29,19 @@ CACHE_SIZE = 256  # compiled constraints kept per engine (each a matcher in its 
 # Compact JSON: no free whitespace between tokens, so a model cannot spend its max_tokens on spaces and newlines
 # (llguidance's default allows any). A schema's own "x-guidance" options override this.
 JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+def llguidance_module() -> Any:
+    """llguidance, imported on the first constraint: `import pocketjax` and unconstrained generation work on a
+    machine without it (the lent GPU host has none, and no network to fetch it); a constraint then fails with a
+    StructuredOutputError that says what to install, not an ImportError from deep inside the engine."""
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401 - fill_next_token_bitmask_par
+    except ImportError as error:
+        raise StructuredOutputError(f"structured outputs need llguidance (pip install 'llguidance>=1.9'): "
+                                    f"{error}") from error
+    return llguidance
 
 
 @dataclass(frozen=True)
@@ -98,6 +108,7 @@ class Structured:
     def grammar_text(self) -> str:
         """llguidance's grammar for this constraint (compiled by LLMatcher; raises StructuredOutputError when
         llguidance refuses its input outright)."""
+        LLMatcher = llguidance_module().LLMatcher
         try:
             if self.json_schema is not None:
                 return LLMatcher.grammar_from_json_schema(self.json_schema, defaults=JSON_OPTIONS)
@@ -153,13 +164,14 @@ class Constrainer:
         self._executor = None
 
     def prepare(self) -> None:
-        """Build llguidance's tokenizer now (~1-3 s at Qwen's vocabulary) instead of at the first constrained request."""
+        """Build llguidance's tokenizer now (~1-3 s at Qwen's vocabulary), not at the first constrained request."""
         with self._lock:
             self._ll_tokenizer()
 
     def _ll_tokenizer(self) -> Any:
         """llguidance's tokenizer, built on first use (under the lock: by `compile` or `prepare`)."""
         if self._ll is None:
+            llguidance = llguidance_module()
             text, size = tokenizer_json(self.tokenizer)
             try:
                 self._ll = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
@@ -183,7 +195,7 @@ class Constrainer:
             tokenizer = self._ll_tokenizer()
         # compiled without the lock: a slow grammar (seconds) must not hold up the scheduler's admissions, which
         # take their (cached) matchers from here; two threads compiling one constraint both get a valid matcher
-        matcher = LLMatcher(tokenizer, structured.grammar_text(), log_level=0)
+        matcher = llguidance_module().LLMatcher(tokenizer, structured.grammar_text(), log_level=0)
         if matcher.is_error():
             raise StructuredOutputError(f"SamplingParams.structured.{structured.kind} does not compile: "
                                         f"{matcher.get_error().strip()}")
@@ -208,7 +220,7 @@ class Constrainer:
         if not live:
             return None
         out = all_allowed(len(rows), self.vocab_size)
-        fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in live], out)
+        llguidance_module().numpy.fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in live], out)
         for i, r in live:
             out[i] &= self._limit
             if r.matcher.is_error() or not out[i].any():
