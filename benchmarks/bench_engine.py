@@ -96,6 +96,8 @@ def build_parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--plot", default=default(None), help="write decode/prefill tok/s vs concurrency here (png)")
     p.add_argument("--no-checks", dest="checks", action="store_false", default=default(True),
                    help="skip the issue-3 checks (minimal loop, doubled max_seq_len) and the time breakdown")
+    p.add_argument("--breakdown", action="store_true", default=default(False),
+                   help="the time breakdown (forward / lm_head / sampler / host per step) even with --no-checks")
     p.add_argument("--quick", action="store_true", default=default(False),
                    help=f"smoke run: {QUICK} for whatever is not given")
     return p
@@ -385,7 +387,7 @@ def bench_pocketjax(folder: Path, args: SimpleNamespace, load_dtype: str, quanti
                "decode_step_ms_p10_p90": [1e3 * float(np.percentile(steps, q)) for q in (10, 90)],
                "prefill_s_runs": prefills, "decode_s_runs": decodes, "warmup_s": warmup_s,
                "engine_slots": engine.num_slots, "attention_impl": engine.impl}
-        if args.checks:
+        if args.checks or getattr(args, "breakdown", False):
             rec.update(step_breakdown(model, engine, prompts, c, args))
         records.append(rec)
         print(f"{system} c={c}: prefill {rec['prefill_tok_s']:.1f} tok/s, decode {rec['decode_tok_s']:.2f} tok/s "

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# GPU check of the attention kernels, the questions that need numbers first: the kernel timings (our decode and
-# prefill kernels beside XLA's attention, JAX's GQA kernel and cuDNN's `jax.nn.dot_product_attention`, same
-# shapes); the engine at Qwen3-0.6B shapes in bfloat16 (random weights) at 1/8/32/64 requests under xla, pallas,
-# and pallas with the Pallas-Triton custom calls captured in XLA's command buffers (CUDA graphs; off by default,
-# jax#27988: $CMDBUF_FLAGS), each with its share of the measured read bandwidth (HBM) at 1; the engine with each
-# attention path (xla | pallas | triton): greedy tokens equal to XLA's, and decode tok/s; then the Pallas kernel
-# tests compiled for the GPU (not interpreted) and the Triton kernels' numerics through jax-triton. Run from the
-# repo root on a machine whose python already has jax with CUDA (+ jax-triton and triton for the Triton path:
-# `pip install -e ".[cuda12]"`); installs nothing. Everything lands in $OUT (default ./out).
-# Budget: $BUDGET seconds (default 450, under 8 minutes) for the whole run: each step has its own cap and never
+# GPU check of the attention kernels and the engine, in the order of what a session most needs answered (first run on
+# an H200, 2026-12-04: benchmarks/README.md "On a GPU"): the engine with each attention path (xla | pallas | triton):
+# greedy tokens equal to XLA's, and decode tok/s; the engine at Qwen3-0.6B shapes in bfloat16 (random weights) at
+# 1/8/32/64 requests under xla and pallas, each with its share of the measured read bandwidth (HBM) at 1, and pallas
+# at 1 request (launch-bound) with command buffers (CUDA graphs) the other way (jax#27988: $CMDBUF_FLAGS); the kernel
+# timings (our decode and prefill kernels beside XLA's attention, JAX's GQA kernel and cuDNN's
+# `jax.nn.dot_product_attention`, same shapes); the Pallas kernel tests compiled for the GPU (not interpreted) and
+# the Triton kernels' numerics through jax-triton. Run from the repo root on a machine whose python already has jax
+# with CUDA (+ jax-triton and triton for the Triton path: `pip install -e ".[cuda12]"`); installs nothing (the
+# environment step lists what pocketjax would import and cannot: the engine runs without llguidance and the server's
+# packages). Everything lands in $OUT (default ./out).
+# Budget: $BUDGET seconds (default 480: 8 minutes) for the whole run: each step has its own cap and never
 # runs past what is left; a step the budget leaves no time for says so ("budget: skipped") and fails the run.
 #   OUT=./out bash benchmarks/device_check.sh
 # --dry-run (CI's second leg, on CPU, under the GPU host's Python/JAX): every step up to its first call that needs
@@ -47,7 +49,7 @@ has_pytest=0; "$PY" -c "import pytest" 2>/dev/null && has_pytest=1
 CMDBUF_ON='--xla_gpu_enable_command_buffer=+CUSTOM_CALL'
 CMDBUF_ON+=' --legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton'
 CMDBUF_OFF='--xla_gpu_enable_command_buffer='
-BUDGET=${BUDGET:-$([ "$DRY" -eq 1 ] && echo 1800 || echo 450)}  # the dry run on busy CPUs is slower, and untimed
+BUDGET=${BUDGET:-$([ "$DRY" -eq 1 ] && echo 1800 || echo 480)}  # the dry run on busy CPUs is slower, and untimed
 capped() {  # capped SECONDS CMD...: CMD under `timeout`, at most SECONDS and never past the budget
   local cap=$1 rest=$((BUDGET - SECONDS)); shift
   [ "$rest" -lt "$cap" ] && cap=$rest
@@ -71,6 +73,10 @@ print("target", tuning.target(d), "| auto ->", resolve_impl("auto", device=d),
 print("decode blocks bf16 D=128:", tuning.block_sizes("decode", 128, "bfloat16", d))
 print("prefill blocks bf16 D=128:", tuning.block_sizes("prefill", 128, "bfloat16", d))
 print("jax-triton:", tuning.jax_triton_unsupported(d) or "importable", "| triton ->", resolve_impl("triton", device=d))
+import importlib.util
+optional = ("llguidance", "fastapi", "uvicorn", "prometheus_client", "flax", "optax", "huggingface_hub", "jinja2")
+print("not importable (structured outputs / the server / nnx need them, not the engine):",
+      ", ".join(m for m in optional if importlib.util.find_spec(m) is None) or "none")
 EOF
 env_rc=${PIPESTATUS[0]}
 # which side of the command-buffer comparison this jaxlib takes (each probe: a fresh jax import under the flags)
@@ -88,37 +94,44 @@ else
   note "command buffers: neither flag set parses in this jaxlib: no comparison"
 fi
 
+echo "== engine per attention path: greedy tokens vs XLA, decode tok/s" | tee -a "$OUT/summary.txt"
+ENGINE_ARGS=(); [ "$DRY" -eq 1 ] && ENGINE_ARGS=(--max-tokens 4)  # on CPU every path falls back to XLA
+capped 100 "$PY" benchmarks/device_check_engine.py --json "$OUT/engine_attention.json" "${ENGINE_ARGS[@]}" 2>&1 \
+  | tee "$OUT/engine_attention.log"
+engine_rc=${PIPESTATUS[0]}
+sed -n '/^impl/,$p' "$OUT/engine_attention.log" >> "$OUT/summary.txt"
+
+echo "== engine decode at Qwen3-0.6B shapes, bfloat16: tok/s at 1/8/32/64 requests under xla and pallas, HBM share" \
+  "at 1; pallas at 1 request with command buffers the other way" | tee -a "$OUT/summary.txt"
+big_rc=0
+BIG_ARGS=(--model qwen3-0.6b --prompt-len 128 --gen-len 32)
+ALL_C=1,8,32,64 CMDBUF_C=1  # measured on an H200: each concurrency's warm-up (its compiles) takes 15-31 s
+if [ "$DRY" -eq 1 ]; then
+  skipped "the 0.6B shapes at 1/8/32/64 requests: the micro preset at 1/2 requests instead"
+  BIG_ARGS=(--model qwen3-micro --prompt-len 8 --gen-len 2) ALL_C=1,2 CMDBUF_C=1
+fi
+big() {  # big RUN CAP CONCURRENCY: bench_engine at the 0.6B shapes, one attention path (RUN: xla|pallas|$CMDBUF_RUN)
+  local run=$1 cap=$2 conc=$3 flags=${XLA_FLAGS:-} rc
+  [ "$run" = "$CMDBUF_RUN" ] && flags="$flags $CMDBUF_FLAGS"
+  echo "-- $run at $conc${flags:+ (XLA_FLAGS=$flags)}" | tee -a "$OUT/summary.txt"
+  XLA_FLAGS="$flags" capped "$cap" "$PY" benchmarks/bench_engine.py "${BIG_ARGS[@]}" --concurrency "$conc" \
+    --dtype bfloat16 --repeats 1 --no-checks --breakdown --peers "" --attention "${run%_*cmdbuf}" \
+    --json "$OUT/engine_06b_$run.json" 2>&1 | tee "$OUT/engine_06b_$run.log"
+  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && big_rc=$rc
+  # the per-concurrency lines come as each ends (a run its cap cuts keeps them); the table at the end
+  grep -E '^pocketjax c=' "$OUT/engine_06b_$run.log" >> "$OUT/summary.txt"
+  sed -n '/^peaks/,$p' "$OUT/engine_06b_$run.log" >> "$OUT/summary.txt"
+}
+big xla 140 "$ALL_C"  # the first run also writes the random-weight checkpoint under /tmp (not in $OUT): ~20 s
+big pallas 120 "$ALL_C"
+[ -n "$CMDBUF_RUN" ] && big "$CMDBUF_RUN" 60 "$CMDBUF_C"
+
 echo "== kernel timings" | tee -a "$OUT/summary.txt"
 KERNEL_ARGS=(); [ "$DRY" -eq 1 ] && KERNEL_ARGS=(--smoke)  # every implementation once, interpreted, tiny
 capped 100 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" "${KERNEL_ARGS[@]}" 2>&1 \
   | tee "$OUT/kernels_bench.log"
 bench_rc=${PIPESTATUS[0]}
 sed -n '/^peak copy bandwidth/,$p' "$OUT/kernels_bench.log" >> "$OUT/summary.txt"
-
-echo "== engine decode at Qwen3-0.6B shapes, bfloat16: tok/s at 1/8/32/64 requests, HBM share at 1;" \
-  "command buffers both ways" | tee -a "$OUT/summary.txt"
-big_rc=0
-BIG_ARGS=(--model qwen3-0.6b --concurrency 1,8,32,64 --prompt-len 128 --gen-len 32)
-if [ "$DRY" -eq 1 ]; then
-  skipped "the 0.6B shapes at 1/8/32/64 requests: the micro preset at 1/2 requests instead"
-  BIG_ARGS=(--model qwen3-micro --concurrency 1,2 --prompt-len 8 --gen-len 2)
-fi
-for run in xla pallas $CMDBUF_RUN; do  # the random-weight checkpoint is built once under /tmp, not in $OUT
-  flags=${XLA_FLAGS:-}; [ "$run" = "$CMDBUF_RUN" ] && flags="$flags $CMDBUF_FLAGS"
-  echo "-- $run${flags:+ (XLA_FLAGS=$flags)}" | tee -a "$OUT/summary.txt"
-  XLA_FLAGS="$flags" capped 100 "$PY" benchmarks/bench_engine.py "${BIG_ARGS[@]}" --dtype bfloat16 \
-    --repeats 1 --no-checks --peers "" --attention "${run%_*cmdbuf}" \
-    --json "$OUT/engine_06b_$run.json" 2>&1 | tee "$OUT/engine_06b_$run.log"
-  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && big_rc=$rc
-  sed -n '/^peaks/,$p' "$OUT/engine_06b_$run.log" >> "$OUT/summary.txt"
-done
-
-echo "== engine per attention path: greedy tokens vs XLA, decode tok/s" | tee -a "$OUT/summary.txt"
-ENGINE_ARGS=(); [ "$DRY" -eq 1 ] && ENGINE_ARGS=(--max-tokens 4)  # on CPU every path falls back to XLA
-capped 120 "$PY" benchmarks/device_check_engine.py --json "$OUT/engine_attention.json" "${ENGINE_ARGS[@]}" 2>&1 \
-  | tee "$OUT/engine_attention.log"
-engine_rc=${PIPESTATUS[0]}
-sed -n '/^impl/,$p' "$OUT/engine_attention.log" >> "$OUT/summary.txt"
 
 echo "== kernel tests (GPU, not interpreted)" | tee -a "$OUT/summary.txt"
 [ "$DRY" -eq 1 ] && skipped "running the kernel tests compiled for the GPU: collected only"
