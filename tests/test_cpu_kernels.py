@@ -348,6 +348,7 @@ def test_a_failed_build_logs_and_returns_none(tmp_path, caplog):
     assert "cannot build" in caplog.text or "build failed" in caplog.text
 
 
+@pytest.mark.leg1_only  # the build cache: the same under any JAX
 def test_cache_hit_does_not_rebuild(tmp_path, monkeypatch):
     lib = cpu_kernels.build(directory=tmp_path)
     assert lib is not None and lib.parent == tmp_path and lib.exists()
@@ -360,6 +361,7 @@ def test_cache_hit_does_not_rebuild(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]  # built under a temp name, renamed
 
 
+@pytest.mark.leg1_only  # the build cache: the same under any JAX
 def test_a_cached_file_without_its_build_key_is_rebuilt_not_loaded(tmp_path, caplog):
     lib = cpu_kernels.build(directory=tmp_path)
     lib.write_bytes(b"\x7fELF not the library these sources build")  # stale, foreign or corrupt, same name
