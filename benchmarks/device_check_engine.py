@@ -68,5 +68,6 @@ def main() -> None:
     if any(r["ran"] == "error" or r["tokens_equal_xla"] is False for r in records):
         raise SystemExit(1)
 
+
 if __name__ == "__main__":
     main()

@@ -158,6 +158,7 @@ class Constrainer:
         self.cache_size = cache_size
         self.words = (vocab_size + 31) // 32
         self._ll = None  # llguidance.LLTokenizer, built on first use
+        self._llg: Any = None  # the llguidance module, imported with it (the step's masks reuse it)
         self._limit: np.ndarray | None = None  # int32 [words]: bits of the tokenizer's own ids (< its vocab)
         self._compiled: OrderedDict[Structured, Any] = OrderedDict()  # -> LLMatcher in its start state
         self._lock = threading.Lock()  # Engine.validate runs on submitting threads, masks on the loop's
@@ -171,7 +172,7 @@ class Constrainer:
     def _ll_tokenizer(self) -> Any:
         """llguidance's tokenizer, built on first use (under the lock: by `compile` or `prepare`)."""
         if self._ll is None:
-            llguidance = llguidance_module()
+            llguidance = self._llg = llguidance_module()
             text, size = tokenizer_json(self.tokenizer)
             try:
                 self._ll = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids or None)
@@ -195,7 +196,7 @@ class Constrainer:
             tokenizer = self._ll_tokenizer()
         # compiled without the lock: a slow grammar (seconds) must not hold up the scheduler's admissions, which
         # take their (cached) matchers from here; two threads compiling one constraint both get a valid matcher
-        matcher = llguidance_module().LLMatcher(tokenizer, structured.grammar_text(), log_level=0)
+        matcher = self._llg.LLMatcher(tokenizer, structured.grammar_text(), log_level=0)
         if matcher.is_error():
             raise StructuredOutputError(f"SamplingParams.structured.{structured.kind} does not compile: "
                                         f"{matcher.get_error().strip()}")
@@ -220,7 +221,7 @@ class Constrainer:
         if not live:
             return None
         out = all_allowed(len(rows), self.vocab_size)
-        llguidance_module().numpy.fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in live], out)
+        self._llg.numpy.fill_next_token_bitmask_par(self._executor, [(r.matcher, i) for i, r in live], out)
         for i, r in live:
             out[i] &= self._limit
             if r.matcher.is_error() or not out[i].any():
