@@ -297,11 +297,19 @@ PJ_AVX2 inline float HsumAvx2(__m256 v) {  // the fixed horizontal tree
   return _mm_cvtss_f32(s4);
 }
 
-// bf16 weights are read with a software prefetch one block ahead: a block's NB rows are NB streams of 2 KiB (at
-// Qwen's in = 1024), too short for the hardware's stream prefetcher, which restarts at every row; a line of each
-// of the next block's rows per 32 columns made 1-row products ~12% and 4-row ones ~20% faster on a Zen 3 (AVX2),
-// prefill unchanged (benchmarks/README.md, "bfloat16 on CPU"). float32 rows (4 KiB) gained nothing at 1 row and
-// lost at 64 rows, so they are read as before. The prefetch reads nothing the sums use: the bits are unchanged.
+// Narrow weights are read with a software prefetch one block ahead (`PrefetchNext`): a block's NB weight rows are
+// NB streams of a few KiB or less (in = 1024: 2 KiB bf16, 1 KiB int8, 512 B int4), too short for the hardware's
+// stream prefetcher, which starts over at every row. A line of each of the next block's rows per 64 bytes read made
+// 1-row products 1.12x (bf16) to 1.4x (int8, int4) faster on a Zen 3 (benchmarks/README.md, "Software prefetch").
+// float32 rows (4 KiB) gained nothing at 1 row and lost at 64 rows; at more than kBlockRows rows the quantized
+// kernels are compute bound and the extra loads cost (0.93-0.97x): both read as before. A prefetch changes no sum:
+// the bits are the same with or without it.
+template <int NB>
+PJ_AVX2 inline void PrefetchNext(const void* block, int64_t row_bytes, int64_t at) {
+  const char* next = static_cast<const char*>(block) + NB * row_bytes + at;  // past the weight's end: x86 ignores it
+  for (int b = 0; b < NB; ++b) _mm_prefetch(next + b * row_bytes, _MM_HINT_T0);
+}
+
 template <typename WT, int R, int NB>
 PJ_AVX2 void BlockAvx2(const Job& j, int64_t n) {
   const int64_t K = j.K, kv = K / 8 * 8;
@@ -311,8 +319,7 @@ PJ_AVX2 void BlockAvx2(const Job& j, int64_t n) {
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kv; k += 8) {
-    if (sizeof(WT) == 2 && (k & 31) == 0)  // bf16: the next block's rows, a line each (BlockAvx2's comment)
-      for (int b = 0; b < NB; ++b) _mm_prefetch(reinterpret_cast<const char*>(w + (NB + b) * K + k), _MM_HINT_T0);
+    if (sizeof(WT) == 2 && (k & 31) == 0) PrefetchNext<NB>(w, 2 * K, 2 * k);
     __m256 wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = LoadAvx2(w + b * K + k);
     for (int r = 0; r < R; ++r) {
@@ -363,6 +370,7 @@ PJ_AVX2 void BlockQuantAvx2(const Job& j, int64_t n) {
       zv[b] = _mm256_set1_ps(static_cast<float>(j.zero[(n + b) * G + g]));
     }
     for (int64_t o = 0; o < gs; o += 8) {
+      if (R <= kBlockRows && ((g * gs + o) & 63) == 0) PrefetchNext<NB>(v, K, g * gs + o);
       __m256 wv[NB];
       for (int b = 0; b < NB; ++b) wv[b] = DequantAvx2<Zero>(v + b * K + g * gs + o, zv[b], sv[b]);
       for (int r = 0; r < R; ++r) {
@@ -432,6 +440,7 @@ PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n) {
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t o = 0; o < h; o += 16) {
+      if (R <= kBlockRows && ((g * h + o) & 63) == 0) PrefetchNext<NB>(v, KB, g * h + o);
       for (int b = 0; b < NB; ++b) {
         const __m256 sv = _mm256_set1_ps(j.scale[(n + b) * G + g]);
         const __m256i w = _mm256_broadcastsi128_si256(
