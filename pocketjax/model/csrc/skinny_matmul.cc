@@ -301,9 +301,9 @@ PJ_AVX2 inline float HsumAvx2(__m256 v) {  // the fixed horizontal tree
 // NB streams of a few KiB or less (in = 1024: 2 KiB bf16, 1 KiB int8, 512 B int4), too short for the hardware's
 // stream prefetcher, which starts over at every row. A line of each of the next block's rows per 64 bytes read made
 // 1-row products 1.12x (bf16) to 1.4x (int8, int4) faster on a Zen 3 (benchmarks/README.md, "Software prefetch").
-// float32 rows (4 KiB) gained nothing at 1 row and lost at 64 rows; at more than kBlockRows rows the quantized
-// kernels are compute bound and the extra loads cost (0.93-0.97x): both read as before. A prefetch changes no sum:
-// the bits are the same with or without it.
+// float32 rows (4 KiB) gained nothing at 1 row and lost at 64 rows; the quantized kernels turn compute bound with
+// more rows, where the extra loads cost (int8 over kBlockRows rows 0.93x; int4 over 2 rows: 1.08x in products,
+// 0.94x in the 4-request engine step): those read as before. A prefetch changes no sum: the bits are the same.
 template <int NB>
 PJ_AVX2 inline void PrefetchNext(const void* block, int64_t row_bytes, int64_t at) {
   const char* next = static_cast<const char*>(block) + NB * row_bytes + at;  // past the weight's end: x86 ignores it
@@ -440,7 +440,7 @@ PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n) {
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t o = 0; o < h; o += 16) {
-      if (R <= kBlockRows && ((g * h + o) & 63) == 0) PrefetchNext<NB>(v, KB, g * h + o);
+      if (R <= 2 && ((g * h + o) & 63) == 0) PrefetchNext<NB>(v, KB, g * h + o);
       for (int b = 0; b < NB; ++b) {
         const __m256 sv = _mm256_set1_ps(j.scale[(n + b) * G + g]);
         const __m256i w = _mm256_broadcastsi128_si256(
