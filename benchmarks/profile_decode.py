@@ -6,7 +6,7 @@ gives each op's share of its own step beside its milliseconds. The op names are 
 the HLO's shapes in `--hlo`), so a slow product shows up as one long op per layer.
 
     python benchmarks/profile_decode.py --model qwen3-0.6b --dtype bfloat16 --load-dtypes bfloat16,float32 \
-        --concurrency 1,2 [--steps 8] [--json out.json]
+        --concurrency 1,2 [--steps 8] [--quantize int4+head8] [--json out.json]
 
 Every float product and the attention run pocketjax's native CPU kernels by default (`custom-call` ops here); run once
 more with POCKETJAX_CPU_KERNELS=off for the same step in XLA's forms.
@@ -85,6 +85,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_options(p, model="qwen3-0.6b", dtype="bfloat16")
     p.add_argument("--load-dtypes", default="bfloat16,float32")
+    p.add_argument("--quantize", default="", help="quant.MODES name (int8+head, int4+head8, ...); empty: none")
     add_options(p, concurrency="1,2", prompt_len=128, steps=8)
     p.add_argument("--top", type=int, default=12)
     add_options(p, cache_dir=DEFAULT_CACHE_DIR, json=None)
@@ -93,15 +94,17 @@ def main() -> None:
     cs = parse_ints(args.concurrency)
     records = []
     for dtype in args.load_dtypes.split(","):
-        model = load_model(folder, dtype=dtype)
+        model = load_model(folder, dtype=dtype, quantize=args.quantize or None)
         engine = Engine(model, max_batch_size=max(cs), max_seq_len=256)
         for c in cs:
-            records.append({"dtype": dtype, **profile(engine, c, args.prompt_len, args.steps)})
+            records.append({"dtype": dtype, "quantize": args.quantize or None,
+                            **profile(engine, c, args.prompt_len, args.steps)})
         del engine, model
     write_json(args.json, {"settings": vars(args), "records": records}, indent=1)
     for r in records:
         total = sum(r["kinds_ms"].values())
-        print(f"\n{r['dtype']} c={r['concurrency']}: step {r['step_ms']:.1f} ms wall, ops {total:.1f} ms")
+        form = f"{r['dtype']} {r['quantize']}" if r["quantize"] else r["dtype"]
+        print(f"\n{form} c={r['concurrency']}: step {r['step_ms']:.1f} ms wall, ops {total:.1f} ms")
         print(markdown_table(["op", "ms/step", "share"], (
             [name, f"{ms:.2f}", f"{100 * ms / total:.1f}%"]
             for name, ms in sorted(r["kinds_ms"].items(), key=lambda kv: -kv[1])[:args.top])))

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from benchmarks import bench_engine, common, roofline
 from benchmarks.peers import launch
 from benchmarks.presets import PRESETS, gguf_tensor_name, preset_config
+from pocketjax.model import cpu_kernels
 from pocketjax.model.checkpoint import expected_shapes
 from pocketjax.model.config import DTYPES, ModelConfig
 
@@ -226,3 +227,17 @@ def test_weight_read_quick_run_times_each_form(tmp_path):
     gb = {r["dtype"]: r["GB"] for r in result["records"]}
     assert gb["float32"] == pytest.approx(2 * gb["bfloat16"])  # the same shapes at 4 and 2 bytes
     assert all(r["median_ms"] > 0 for r in result["records"]) and len(result["ratios"]) == 4
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="tiles are the native kernel's layout")
+def test_bench_tiles_quick_run_times_both_layouts_on_the_same_tokens(tmp_path, capsys):
+    """bench_tiles steps a tiled and a row-major engine alternately (it raises if their greedy tokens differ) and
+    records both medians per concurrency; the table is printed last."""
+    from benchmarks import bench_tiles
+
+    out = tmp_path / "tiles.json"
+    bench_tiles.main(["--quick", "--cache-dir", str(tmp_path / "models"), "--json", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [r["concurrency"] for r in records] == [1, 2]
+    assert all(r["row_major_ms"] > 0 and r["tiled_ms"] > 0 and r["steps_each"] == 8 for r in records)
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| qwen3-micro | int4+head8 | 2 |")

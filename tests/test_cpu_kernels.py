@@ -15,6 +15,7 @@ import pytest
 
 import pocketjax as pj
 from pallas_kernels import reference as attention_reference
+from pocketjax.errors import ConfigError
 from pocketjax.model import cpu_kernels, layers, quant
 from pocketjax.model.kv_cache import quantize
 from pocketjax.model.sharding import make_mesh
@@ -181,6 +182,31 @@ def test_int4_kernel_is_its_integer_product_bit_for_bit_at_any_row_count(isa, x_
     out = np.asarray(kernel(poisoned, w), np.float32)
     others = np.delete(np.asarray(got, np.float32), 1, axis=0)
     assert np.isnan(out[1]).all() and np.array_equal(np.delete(out, 1, axis=0), others)
+
+
+@pytest.mark.parametrize("isa", QUANT_ISAS)
+def test_tiled_int4_is_the_row_major_product_bit_for_bit(isa):
+    """int4 values in the kernel's tiles (`quant.tile_rows`: 4 rows per tile, a 32-column chunk of the 4 a 64-byte
+    line) give bitwise the row-major product at every row count (1-4 rows a tile per pass, more in blocks of 4),
+    any group, with or without zeros, and every other reader (`dequantize`, `untiled`) sees the row-major weight;
+    a weight that does not tile is refused."""
+    rng = np.random.default_rng(13)
+    kernel = jax.jit(lambda x, w: cpu_kernels.quantized_matmul(x, w, isa))
+    for rows, n, k, group, symmetric in [(1, 4, 64, 32, False), (1, 48, 256, 128, False), (2, 20, 96, 32, True),
+                                         (3, 64, 192, 64, False), (4, 36, 128, 32, False), (5, 152, 64, 32, False),
+                                         (6, 80, 512, 256, True), (9, 40, 64, 64, False), (17, 24, 96, 32, False)]:
+        w = quantized_weight(rng, n, k, group, symmetric)
+        tiled = jax.tree.map(jnp.asarray, quant.tile_rows(jax.tree.map(np.asarray, w)))
+        assert tiled.tiled and tiled.values.shape == w.values.shape
+        assert not np.array_equal(np.asarray(tiled.values), np.asarray(w.values))
+        np.testing.assert_array_equal(np.asarray(quant.untiled(tiled).values), np.asarray(w.values))
+        np.testing.assert_array_equal(np.asarray(quant.dequantize(tiled)), np.asarray(quant.dequantize(w)))
+        x = jnp.asarray(rng.standard_normal((rows, k)), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(kernel(x, tiled)), np.asarray(kernel(x, w)),
+                                      err_msg=str((rows, n, k, group, symmetric)))
+    for bad in (quantized_weight(rng, 6, 64, 32), quantized_weight(rng, 8, 64, 32, bits=8)):
+        with pytest.raises(ConfigError, match="tile_rows"):
+            quant.tile_rows(bad)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

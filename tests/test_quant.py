@@ -428,8 +428,19 @@ def test_native_quantized_model_is_the_model_of_its_rounded_weights(hf_checkpoin
     hlo = jax.jit(lambda p, t: pj.logits(dataclasses.replace(quantized, params=p), t)).lower(
         quantized.params, DECODE_TOKENS).as_text()
     assert cpu_kernels.QUANTIZED_TARGET in hlo
+    # int4 linears are stored in the kernel's tiles on one CPU device; row-major values give the same bits
+    linears = [p[k] for p in quantized.params["layers"] for k in quant.LINEAR_NAMES]
+    assert all(w.tiled == (mode == "int4") for w in linears)
+    row_major = dataclasses.replace(quantized, params=jax.tree.map(
+        lambda w: quant.untiled(w) if isinstance(w, QuantizedWeight) else w, quantized.params,
+        is_leaf=lambda w: isinstance(w, QuantizedWeight)))
+    def xla_forms(model):  # XLA's forms read the tiles back in row-major order
+        return np.asarray(decoder.forward_logits(model.params, model.config, jnp.asarray(DECODE_TOKENS), None, None,
+                                                 False, "xla"))
+    np.testing.assert_array_equal(xla_forms(quantized), xla_forms(row_major))
     for tokens in (PREFILL_TOKENS, DECODE_TOKENS):
         ours, weight_only = np.asarray(pj.logits(quantized, tokens)), np.asarray(pj.logits(rounded, tokens))
+        np.testing.assert_array_equal(ours, np.asarray(pj.logits(row_major, tokens)))
         if mode == "int8":
             np.testing.assert_array_equal(ours, weight_only)
         else:

@@ -40,7 +40,7 @@ import numpy as np
 from pallas_kernels import reference
 
 from ..errors import ConfigError
-from .quant import QuantizedWeight, dequantize
+from .quant import TILE_ROWS, QuantizedWeight, dequantize
 
 log = logging.getLogger("pocketjax")
 
@@ -229,10 +229,12 @@ def _product_jvp(isa, primals, tangents):
 
 def quantized_applies(w: QuantizedWeight) -> bool:
     """Whether `quantized_matmul` takes `w`: quant.py's int8 or packed int4 [out, in] (2-D, not a scan's stacked
-    [layers, ...]), groups a multiple of 8 (int8) or 32 (int4) columns (a GPTQ perm: quant.matmul gathers x first)."""
+    [layers, ...]), groups a multiple of 8 (int8) or 32 (int4) columns (a GPTQ perm: quant.matmul gathers x first),
+    int4 values row-major or tiled (`quant.tile_rows`)."""
     values = {8: jnp.int8, 4: jnp.uint8}.get(w.bits)
     return (values is not None and w.values.ndim == 2 and w.values.dtype == values and w.scale.ndim == 2
-            and w.group_size % (32 if w.bits == 4 else 8) == 0 and w.group_size * w.scale.shape[1] == w.shape[1])
+            and w.group_size % (32 if w.bits == 4 else 8) == 0 and w.group_size * w.scale.shape[1] == w.shape[1]
+            and (not w.tiled or (w.bits == 4 and w.values.shape[0] % TILE_ROWS == 0)))
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto") -> jax.Array:
@@ -256,18 +258,19 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto") -> jax
     if not available():
         raise ConfigError("quantized_matmul: the CPU kernels are not available in this process (see the log)")
     zero = jnp.zeros(w.scale.shape, jnp.int8) if w.zero is None else w.zero  # None: symmetric, no subtraction
-    return _quantized_product(x, w.values, w.scale.astype(jnp.float32), zero.astype(jnp.int8), isa, w.zero is not None)
+    return _quantized_product(x, w.values, w.scale.astype(jnp.float32), zero.astype(jnp.int8), isa, w.zero is not None,
+                              w.tiled)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5))
-def _quantized_product(x, values, scale, zero, isa, has_zero):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def _quantized_product(x, values, scale, zero, isa, has_zero, tiled):
     call = jax.ffi.ffi_call(QUANTIZED_TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), x.dtype),
                             vmap_method="sequential")
-    return call(x, values, scale, zero, isa=np.int32(ISAS[isa]), has_zero=has_zero)
+    return call(x, values, scale, zero, isa=np.int32(ISAS[isa]), has_zero=has_zero, tiled=tiled)
 
 
 @_quantized_product.defjvp
-def _quantized_product_jvp(isa, has_zero, primals, tangents):
+def _quantized_product_jvp(isa, has_zero, tiled, primals, tangents):
     """Bilinear in x and scale: XLA's dots with the dequantized weight (and its scale's tangent)."""
     x, values, scale, zero = primals
     dx, _, dscale, _ = tangents
@@ -275,11 +278,11 @@ def _quantized_product_jvp(isa, has_zero, primals, tangents):
 
     def weight(s):
         bits = 4 if values.dtype == jnp.uint8 else 8
-        return dequantize(QuantizedWeight(values=values, scale=s, zero=zero, bits=bits))
+        return dequantize(QuantizedWeight(values=values, scale=s, zero=zero, bits=bits, tiled=tiled))
 
     tangent = (jax.lax.dot_general(dx.astype(jnp.float32), weight(scale), nk)
                + jax.lax.dot_general(x.astype(jnp.float32), weight(dscale), nk))
-    return _quantized_product(x, values, scale, zero, isa, has_zero), tangent.astype(x.dtype)
+    return _quantized_product(x, values, scale, zero, isa, has_zero, tiled), tangent.astype(x.dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, starts: jax.Array, q_lengths: jax.Array,

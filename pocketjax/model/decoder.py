@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from . import layers
+from . import cpu_kernels, layers
 
 from . import quant
 from .checkpoint import load_params
@@ -316,7 +316,9 @@ def load_model(path: str | Path, dtype: str | None = None, tp: int = 1, quantize
         def place(_, array):
             return jax.device_put(array)
     if quantize is not None or stored is not None:  # quantize from float32, cast the rest to dtype
-        place = quant.quantizing_placer(place, quantize, np.dtype(jnp.dtype(dtype)))
+        # int4 linears in the native kernel's tiles where it will serve them: one CPU device, the kernels built
+        tile = mesh is None and not scan and jax.default_backend() == "cpu" and cpu_kernels.available()
+        place = quant.quantizing_placer(place, quantize, np.dtype(jnp.dtype(dtype)), tile)
     if adapter is not None:
         place = merging_placer(place, adapter)
     plan = plan_memory(config, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=dtype, quantize=quantize)
