@@ -1,8 +1,8 @@
-"""Tiled against row-major int4 values (`quant.tile_rows`) in the engine's decode step: one model loaded once, its
-int4 linears as loaded (tiled: a single-device CPU load with the native kernels) and read back row-major, two engines
-stepped alternately in one process, the same requests, greedy tokens asserted identical.
+"""Tiled against row-major int4 values (`quant.tile_rows`) in the engine's decode step: one model loaded once per
+mode, its int4 linears as loaded (tiled: a single-device CPU load with the native kernels) and read back row-major,
+two engines stepped alternately in one process, the same requests, greedy tokens asserted identical.
 
-    python benchmarks/bench_tiles.py [--model qwen3-0.6b] [--quantize int4+head8] [--concurrency 1,2,4,8]
+    python benchmarks/bench_tiles.py [--model qwen3-0.6b] [--quantize int4+head8,int4] [--concurrency 1,2,4,8]
                                      [--rounds 10] [--json OUT] [--quick]
 
 Why tiles: row-major, a block of 4 weight rows is 4 streams of in / 2 bytes (512 B at in = 1024), too short for the
@@ -29,7 +29,7 @@ from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, add_quick, machin
 from pocketjax import BatchedRequest, Engine, SamplingParams, load_model  # noqa: E402
 from pocketjax.model import quant  # noqa: E402
 
-QUICK = dict(model="qwen3-micro", concurrency="1,2", rounds=2)
+QUICK = dict(model="qwen3-micro", quantize="int4+head8", concurrency="1,2", rounds=2)
 
 
 def row_major(model):
@@ -65,7 +65,7 @@ def compare(engines: dict[str, Engine], c: int, prompt_len: int, steps: int, rou
             for r in reqs[name]:
                 engine.free_slot(r.request_id)
     if tokens["tiled"] != tokens["row-major"]:
-        raise RuntimeError(f"c={c}: tiled and row-major int4 values gave different tokens")
+        raise RuntimeError(f"c={c}: tiled and row-major values gave different tokens")
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     return {"concurrency": c, "row_major_ms": ms["row-major"], "tiled_ms": ms["tiled"],
             "speedup": ms["row-major"] / ms["tiled"], "steps_each": rounds * steps}
@@ -73,23 +73,27 @@ def compare(engines: dict[str, Engine], c: int, prompt_len: int, steps: int, rou
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_options(p, model="qwen3-0.6b", quantize="int4+head8", concurrency="1,2,4,8", prompt_len=128, steps=4,
-                rounds=10, cache_dir=DEFAULT_CACHE_DIR, json=None)
+    add_options(p, model="qwen3-0.6b", quantize="int4+head8", concurrency="1,2,4,8", prompt_len=128,
+                steps=4, rounds=10, cache_dir=DEFAULT_CACHE_DIR, json=None)
     args = parse(add_quick(p, QUICK), argv, QUICK)
     cs = parse_ints(args["concurrency"])
-    model = load_model(model_folder(args["model"], args["cache_dir"]), dtype="float32", quantize=args["quantize"])
-    linears = [w for w in jax.tree.leaves(model.params, is_leaf=lambda w: isinstance(w, quant.QuantizedWeight))
-               if isinstance(w, quant.QuantizedWeight) and w.bits == 4]
-    if not linears or not all(w.tiled for w in linears):
-        raise SystemExit(f"{args['model']} --quantize {args['quantize']}: no tiled int4 weights to compare (the "
-                         "native kernels on one CPU device tile int4 linears at load)")
-    options = dict(max_batch_size=max(cs), max_seq_len=args["prompt_len"] + args["rounds"] * args["steps"] + 16)
-    engines = {"row-major": Engine(row_major(model), **options), "tiled": Engine(model, **options)}
-    records = [compare(engines, c, args["prompt_len"], args["steps"], args["rounds"]) for c in cs]
+    records = []
+    for mode in args["quantize"].split(","):
+        model = load_model(model_folder(args["model"], args["cache_dir"]), dtype="float32", quantize=mode)
+        weights = [w for w in jax.tree.leaves(model.params, is_leaf=lambda w: isinstance(w, quant.QuantizedWeight))
+                   if isinstance(w, quant.QuantizedWeight) and w.bits == 4]
+        if not weights or not all(w.tiled for w in weights):
+            raise SystemExit(f"{args['model']} --quantize {mode}: no tiled int4 weights to compare (the native "
+                             "kernels on one CPU device tile int4 linears at load)")
+        options = dict(max_batch_size=max(cs), max_seq_len=args["prompt_len"] + args["rounds"] * args["steps"] + 16)
+        engines = {"row-major": Engine(row_major(model), **options), "tiled": Engine(model, **options)}
+        records += [{"quantize": mode, **compare(engines, c, args["prompt_len"], args["steps"], args["rounds"])}
+                    for c in cs]
+        del engines, model
     write_json(args["json"], {"settings": args, "machine": machine("cpu", "usable_cores", "jax", "loadavg"),
                               "records": records})
     print(markdown_table(["model", "weights", "conc", "row-major ms/step", "tiled ms/step", "tiled speedup"], (
-        [args["model"], args["quantize"], r["concurrency"], f"{r['row_major_ms']:.2f}", f"{r['tiled_ms']:.2f}",
+        [args["model"], r["quantize"], r["concurrency"], f"{r['row_major_ms']:.2f}", f"{r['tiled_ms']:.2f}",
          f"{r['speedup']:.3f}x"] for r in records)))
 
 
