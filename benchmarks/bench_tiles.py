@@ -33,12 +33,8 @@ QUICK = dict(model="qwen3-micro", quantize="int4+head8", concurrency="1,2", roun
 
 
 def row_major(model):
-    """model with every tiled int4 weight read back row-major (new arrays: the two engines share no values)."""
-    def untile(w):
-        return quant.untiled(w) if isinstance(w, quant.QuantizedWeight) else w
-    params = jax.block_until_ready(jax.jit(lambda p: jax.tree.map(
-        untile, p, is_leaf=lambda w: isinstance(w, quant.QuantizedWeight)))(model.params))
-    return dataclasses.replace(model, params=params)
+    """model with its tiled int4 weights read back row-major (new arrays: the two engines share no values)."""
+    return dataclasses.replace(model, params=jax.block_until_ready(quant.untiled_params(model.params)))
 
 
 def compare(engines: dict[str, Engine], c: int, prompt_len: int, steps: int, rounds: int) -> dict:

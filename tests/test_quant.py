@@ -446,3 +446,19 @@ def test_native_quantized_model_is_the_model_of_its_rounded_weights(hf_checkpoin
         else:
             assert np.median(position_errors(ours, weight_only)) <= ACTIVATION_BOUND, tokens.shape
         assert not np.array_equal(ours, np.asarray(pj.logits(float_model, tokens)))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the kernels")
+def test_an_engine_in_xla_forms_untiles_the_weights_once(hf_checkpoint):
+    """A single-device CPU load tiles int4 values for the kernel; an engine that runs XLA's forms instead
+    (batch_invariant=False) reads them back row-major once at construction rather than in every step, and an engine
+    on the kernels serves the loaded arrays as they are."""
+    model = pj.load_model(hf_checkpoint("qwen3_gqa4_headdim"), quantize="int4")
+    assert all(p[k].tiled for p in model.params["layers"] for k in quant.LINEAR_NAMES)
+    native = pj.Engine(model, max_batch_size=1, max_seq_len=64)
+    assert native.impl == "cpu" and native.model.params is model.params
+    xla = pj.Engine(model, max_batch_size=1, max_seq_len=64, batch_invariant=False)
+    assert xla.impl == "xla" and not any(p[k].tiled for p in xla.model.params["layers"] for k in quant.LINEAR_NAMES)
+    weights = [p[k] for p in model.params["layers"] for k in quant.LINEAR_NAMES]
+    for w, row_major in zip(weights, (p[k] for p in xla.model.params["layers"] for k in quant.LINEAR_NAMES)):
+        np.testing.assert_array_equal(np.asarray(row_major.values), np.asarray(quant.untiled(w).values))

@@ -23,6 +23,7 @@ from ..model.decoder import Hook, Model
 from ..model.kv_cache import KVCache, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
 from ..model.memory import check_fits, plan_memory
+from ..model.quant import untiled_params
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
 from .pending import PendingDecode, PendingVerify
@@ -51,12 +52,14 @@ class Engine(SpeculativeSteps):
 
     def __init__(self, model: Model, config: EngineConfig | None = None, *, seed: int = 0, tokenizer: Any = None,
                  **options: Any):
-        self.model = model
         self.config = EngineConfig.of(config, **options)
         if self.config.compile_cache_dir not in (None, OFF):  # asked for: process-wide, as JAX's cache is
             use_compile_cache(self.config.compile_cache_dir)
         self.impl = resolve_impl(self.config.attention_impl, self.config.kv_dtype,
                                  batch_invariant=self.config.batch_invariant)
+        if self.impl != "cpu":  # XLA's forms read row-major values: untile the kernel's tiles once, not every step
+            model = replace(model, params=untiled_params(model.params))  # (0.79x per step at 1 request otherwise)
+        self.model = model
         self.eos_ids = frozenset(read_eos_ids(model.config, model.path))
         self.rng = np.random.default_rng(seed)
         self.device = Device(model.params, model.config, self.impl, model.dtype)  # weights, cache, slot state

@@ -186,6 +186,16 @@ def untiled(w: QuantizedWeight) -> QuantizedWeight:
     return replace(w, values=_retile(w.values, True), tiled=False) if w.tiled else w
 
 
+def untiled_params(params: Any) -> Any:
+    """params with every tiled weight read back row-major, on device (new arrays); the same tree where none is tiled.
+    For programs in XLA's forms, which would otherwise untile each weight in every step."""
+    def is_weight(w: Any) -> bool:
+        return isinstance(w, QuantizedWeight)
+    if not any(w.tiled for w in jax.tree.leaves(params, is_leaf=is_weight) if is_weight(w)):
+        return params
+    return jax.jit(lambda p: jax.tree.map(lambda w: untiled(w) if is_weight(w) else w, p, is_leaf=is_weight))(params)
+
+
 # ---- quantize / dequantize ---------------------------------------------------------------------------------------
 def quantize(w, bits: int, group_size: int | None = None) -> QuantizedWeight:
     """Quantize a host [out, in] weight (computed in float32): int8 per channel, or int4 group-wise asymmetric."""
