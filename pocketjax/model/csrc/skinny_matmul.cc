@@ -537,7 +537,7 @@ template <int R>
 PJ_AVX2 void RowsInt4Avx2(const Job& j, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (j.tiled) {  // blocks that divide a tile (n0 is a multiple of 16, so of kTileRows): a tile per pass up to 2 rows
-    constexpr int NB = R <= 2 ? kTileRows : (R <= 4 ? 2 : 1);  // (over kBlockRows rows: tests only, see Block)
+    constexpr int NB = R <= 2 ? kTileRows : (R <= 4 ? 2 : 1);  // (Block never passes over kBlockRows rows)
     for (; n + NB <= n1; n += NB) BlockInt4Avx2<R, NB, true>(j, n);
     for (; n < n1; ++n) BlockInt4Avx2<R, 1, true>(j, n);
     return;
