@@ -431,9 +431,7 @@ def test_native_quantized_model_is_the_model_of_its_rounded_weights(hf_checkpoin
     # int4 linears are stored in the kernel's tiles on one CPU device; row-major values give the same bits
     linears = [p[k] for p in quantized.params["layers"] for k in quant.LINEAR_NAMES]
     assert all(w.tiled == (mode == "int4") for w in linears)
-    row_major = dataclasses.replace(quantized, params=jax.tree.map(
-        lambda w: quant.untiled(w) if isinstance(w, QuantizedWeight) else w, quantized.params,
-        is_leaf=lambda w: isinstance(w, QuantizedWeight)))
+    row_major = dataclasses.replace(quantized, params=quant.untiled_params(quantized.params))
     def xla_forms(model):  # XLA's forms read the tiles back in row-major order
         return np.asarray(decoder.forward_logits(model.params, model.config, jnp.asarray(DECODE_TOKENS), None, None,
                                                  False, "xla"))
