@@ -241,3 +241,17 @@ def test_bench_tiles_quick_run_times_both_layouts_on_the_same_tokens(tmp_path, c
     assert [r["concurrency"] for r in records] == [1, 2]
     assert all(r["row_major_ms"] > 0 and r["tiled_ms"] > 0 and r["steps_each"] == 8 for r in records)
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| qwen3-micro | int4+head8 | 2 |")
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="row streams are the native kernel's block order")
+def test_bench_streams_quick_run_times_both_row_orders_on_the_same_bits(tmp_path, capsys):
+    """bench_streams runs one decode step's products in adjacent-row and row-stream blocks alternately (it raises if
+    their outputs differ) and records both medians per weight form and row count; the table is printed last."""
+    from benchmarks import bench_streams
+
+    out = tmp_path / "streams.json"
+    bench_streams.main(["--quick", "--rows", "1,3", "--json", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["weights"], r["rows"]) for r in records] == [("float32", 1), ("float32", 3), ("int8", 1), ("int8", 3)]
+    assert all(r["adjacent_ms"] > 0 and r["streams_ms"] > 0 and r["products"] == 4 * 7 + 1 for r in records)
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| qwen3-tiny | int8 | 3 |")

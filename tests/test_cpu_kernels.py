@@ -209,6 +209,29 @@ def test_tiled_int4_is_the_row_major_product_bit_for_bit(isa):
             quant.tile_rows(bad)
 
 
+@pytest.mark.skipif("avx2" not in QUANT_ISAS, reason="row streams are the AVX2 paths' block order")
+def test_row_streams_are_the_adjacent_rows_bits_at_every_row_count():
+    """A register block's weight rows taken as NB streams apart (the default) or adjacent give the same bits for
+    every weight form and row count the AVX2 paths serve, across chunk boundaries and with rows left over (N not a
+    multiple of the block); only which rows share a block changes."""
+    rng = np.random.default_rng(14)
+    float_product = jax.jit(lambda x, w, streams: cpu_kernels.skinny_matmul(x, w, "avx2", streams),
+                            static_argnums=2)
+    quantized_product = jax.jit(lambda x, w, streams: cpu_kernels.quantized_matmul(x, w, "avx2", streams),
+                                static_argnums=2)
+    weights = [(float_product, jnp.asarray(rng.standard_normal((n, k)), dtype))
+               for dtype in (jnp.float32, jnp.bfloat16) for n, k in ((37, 64), (301, 256))]
+    weights += [(quantized_product, quantized_weight(rng, n, k, 32, symmetric, bits))
+                for bits, symmetric in ((8, True), (8, False), (4, False)) for n, k in ((37, 64), (1203, 256))]
+    for product, w in weights:
+        for rows in (1, 2, 3, 4, 5, 9):
+            x = jnp.asarray(rng.standard_normal((rows, w.shape[1])), jnp.float32)
+            if getattr(w, "dtype", None) == jnp.bfloat16:
+                x = x.astype(jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(product(x, w, True)), np.asarray(product(x, w, False)),
+                                          err_msg=str((w.shape, w.dtype, rows)))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_kernel_serves_quantized_models_and_differentiates_like_the_dequantized_product(bits):
     """layers.linear takes the kernel for an int8 / int4 weight in a single-device program (one custom call, no

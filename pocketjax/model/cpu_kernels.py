@@ -188,13 +188,15 @@ def resolved_isa_name(x_dtype, w_dtype=jnp.float32, isa: str = "auto", lib: ctyp
     return {v: k for k, v in ISAS.items()}[code]
 
 
-def skinny_matmul(x: jax.Array, w: jax.Array, isa: str = "auto") -> jax.Array:
+def skinny_matmul(x: jax.Array, w: jax.Array, isa: str = "auto", streams: bool = True) -> jax.Array:
     """x [rows, in] (float32 or bfloat16) @ w [out, in].T for a float32 or bfloat16 w: f32 sums, in x's dtype.
 
     Any row count; each output element is computed the same way whatever the row count (batch invariance).
     Differentiable (the derivative is XLA's product) and vmappable (one call per batch element). Call only where
     `available()`; on one device (XLA cannot partition the call: on a mesh it would gather w).
-    `isa` forces a code path (tests, benchmarks): one of ISAS (`resolved_isa_name` says which runs).
+    `isa` forces a code path (tests, benchmarks): one of ISAS (`resolved_isa_name` says which runs). `streams`
+    False: the AVX2 path's register blocks take adjacent weight rows instead of NB sequential streams (csrc: `Blocks`;
+    the same bits, slower at 1-4 rows: for tests and `benchmarks/bench_streams.py`).
     """
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or w.dtype not in (jnp.float32, jnp.bfloat16):
         raise ConfigError(f"skinny_matmul: x [rows, in] and a float32 or bfloat16 w [out, in], got {x.shape} "
@@ -203,18 +205,18 @@ def skinny_matmul(x: jax.Array, w: jax.Array, isa: str = "auto") -> jax.Array:
         raise ConfigError(f"skinny_matmul: x float32 or bfloat16 and isa one of {tuple(ISAS)}, got {x.dtype}, {isa!r}")
     if not available():
         raise ConfigError("skinny_matmul: the CPU kernels are not available in this process (see the log)")
-    return _product(x, w, isa)
+    return _product(x, w, isa, streams)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def _product(x: jax.Array, w: jax.Array, isa: str) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
+def _product(x: jax.Array, w: jax.Array, isa: str, streams: bool) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), x.dtype),
                             vmap_method="sequential")
-    return call(x, w, isa=np.int32(ISAS[isa]))
+    return call(x, w, isa=np.int32(ISAS[isa]), streams=streams)
 
 
 @_product.defjvp
-def _product_jvp(isa, primals, tangents):
+def _product_jvp(isa, streams, primals, tangents):
     """The product is bilinear: its tangent is XLA's dots of the tangents (transposable, so grad works too)."""
     x, w = primals
     dx, dw = tangents
@@ -224,7 +226,7 @@ def _product_jvp(isa, primals, tangents):
         return jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), nk)
 
     tangent = dot(dx, w) + dot(x, dw)
-    return _product(x, w, isa), tangent.astype(x.dtype)
+    return _product(x, w, isa, streams), tangent.astype(x.dtype)
 
 
 def quantized_applies(w: QuantizedWeight) -> bool:
@@ -237,7 +239,7 @@ def quantized_applies(w: QuantizedWeight) -> bool:
             and (not w.tiled or (w.bits == 4 and w.values.shape[0] % TILE_ROWS == 0)))
 
 
-def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto") -> jax.Array:
+def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto", streams: bool = True) -> jax.Array:
     """x [rows, in] (float32 or bfloat16) @ W.T for quant.py's int8 or int4 W, in x's dtype, reading 8 or 5.25
     (int4, groups of 32) bits per weight instead of a dequantized weight's 32 written and read back. Any row count;
     each row's bits depend on that row and W only (batch invariance).
@@ -248,7 +250,8 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto") -> jax
     half a step per value), products exact in int32 per 32 columns, the group scales then the row's s in float32:
     within ~1e-4 of the float product of `dequantize(W)` relative to its largest term (`tests/test_cpu_kernels.py`
     checks it bitwise against a numpy model of those steps). Differentiable in x and W's scale (XLA's product with the
-    dequantized weight). Call only where `available()` and `quantized_applies(W)`, on one device."""
+    dequantized weight). Call only where `available()` and `quantized_applies(W)`, on one device. `isa`, `streams`:
+    as `skinny_matmul` (tiled int4 ignores `streams`: a tile is one stream)."""
     if x.ndim != 2 or not quantized_applies(w) or x.shape[1] != w.shape[1]:
         raise ConfigError(f"quantized_matmul: x [rows, in] and a 2-D int8 / int4 QuantizedWeight [out, in] with groups "
                           f"of 8k / 32k columns, got {x.shape} and {w.shape} {w.bits}-bit (group {w.group_size})")
@@ -259,18 +262,18 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto") -> jax
         raise ConfigError("quantized_matmul: the CPU kernels are not available in this process (see the log)")
     zero = jnp.zeros(w.scale.shape, jnp.int8) if w.zero is None else w.zero  # None: symmetric, no subtraction
     return _quantized_product(x, w.values, w.scale.astype(jnp.float32), zero.astype(jnp.int8), isa, w.zero is not None,
-                              w.tiled)
+                              w.tiled, streams)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
-def _quantized_product(x, values, scale, zero, isa, has_zero, tiled):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
+def _quantized_product(x, values, scale, zero, isa, has_zero, tiled, streams):
     call = jax.ffi.ffi_call(QUANTIZED_TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[0]), x.dtype),
                             vmap_method="sequential")
-    return call(x, values, scale, zero, isa=np.int32(ISAS[isa]), has_zero=has_zero, tiled=tiled)
+    return call(x, values, scale, zero, isa=np.int32(ISAS[isa]), has_zero=has_zero, tiled=tiled, streams=streams)
 
 
 @_quantized_product.defjvp
-def _quantized_product_jvp(isa, has_zero, tiled, primals, tangents):
+def _quantized_product_jvp(isa, has_zero, tiled, streams, primals, tangents):
     """Bilinear in x and scale: XLA's dots with the dequantized weight (and its scale's tangent)."""
     x, values, scale, zero = primals
     dx, _, dscale, _ = tangents
@@ -282,7 +285,7 @@ def _quantized_product_jvp(isa, has_zero, tiled, primals, tangents):
 
     tangent = (jax.lax.dot_general(dx.astype(jnp.float32), weight(scale), nk)
                + jax.lax.dot_general(x.astype(jnp.float32), weight(dscale), nk))
-    return _quantized_product(x, values, scale, zero, isa, has_zero, tiled), tangent.astype(x.dtype)
+    return _quantized_product(x, values, scale, zero, isa, has_zero, tiled, streams), tangent.astype(x.dtype)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array, starts: jax.Array, q_lengths: jax.Array,

@@ -26,7 +26,10 @@
 // so a block's 32-column chunks are one 64-byte line, read as one sequential stream (row-major, a block is kTileRows
 // streams of a few hundred bytes; tiled, the 0.6B's 196 layer products ran 1.16 / 1.13 / 1.17x faster at 1 / 2 / 4
 // rows, its decode step 1.05 / 1.04 / 1.10 / 1.00x at 1 / 2 / 4 / 8 requests: benchmarks/bench_tiles.py); the sums
-// are the same, so the bits are. AVX2 or portable code only (an
+// are the same, so the bits are. Row streams (attribute `streams`, cpu_kernels.py's default; the AVX2 paths): a
+// register block's NB weight rows are the same row of NB runs of the chunk, NB long sequential streams, instead of NB
+// adjacent rows (`Blocks`): the 0.6B's step of products 1.15-1.27x (float32), 1.13-1.33x (bf16) faster at 1-8 rows,
+// int8 1.23x at 1 row (benchmarks/bench_streams.py); the same bits. AVX2 or portable code only (an
 // AVX-512 CPU runs the AVX2 path, and so does the float32 code on int8's buffer, so a row's bits never depend on how
 // many rows share the call).
 //
@@ -106,6 +109,7 @@ struct Job {
   const float* xsum = nullptr;
   bool has_zero = false;
   bool tiled = false;  // int4 values in tiles of kTileRows rows (see the top)
+  bool streams = false;  // a register block's rows as NB sequential streams (`Blocks`; the AVX2 paths)
 
   // int4: the 16 bytes of weight row n's 32-column chunk c (the chunk at offset 16 * (c % (gs / 32)) of group
   // c / (gs / 32)'s half-size run).
@@ -292,10 +296,27 @@ void DequantRowsPortable(const Job& j, int64_t n0, int64_t n1, float* out) {
       for (int64_t o = 0; o < j.gs; o += 8) j.Dequant8(n, g, o, out + g * j.gs + o);
 }
 
+// Which weight rows share a register block of NB rows. Adjacent rows (n, n + 1, ...) are NB streams one row long
+// (in = 1024: 4 KiB float32, 2 KiB bf16, 1 KiB int8) that the hardware prefetcher starts over at every block, so
+// 1-4-row products read below the memory's bandwidth. With `streams` a chunk's rows are cut into NB runs and a block
+// takes the same row of each run, `apart` rows apart: NB sequential streams through the chunk (Zen 3: 1.1-1.5x the
+// 1-4-row products at in = 1024, benchmarks/README.md "Row streams"). Which rows share a block changes no sum: each
+// output is the same sequence of operations in every block.
+struct Blocks {
+  int64_t count, step, apart, tail;  // full blocks at n0 + i * step (i < count), rows apart; then [tail, n1) singly
+};
+
+template <int NB>
+inline Blocks BlocksOf(const Job& j, int64_t n0, int64_t n1) {
+  const int64_t count = (n1 - n0) / NB;
+  if (j.streams && NB > 1) return {count, 1, count, n0 + NB * count};
+  return {count, NB, 1, n0 + NB * count};
+}
+
 #if PJ_X86
-// The vector paths: NB weight rows (contiguous in [out, in]) at a time, each loaded once per k step and multiplied
-// with every x row; NB * R accumulators stay in registers (all loops below unroll: R, NB are constants, and only
-// local pointers are read inside the k loop, so nothing aliases the accumulators).
+// The vector paths: NB weight rows at a time (adjacent, or NB streams apart: `Blocks`), each loaded once per k step
+// and multiplied with every x row; NB * R accumulators stay in registers (all loops below unroll: R, NB are constants,
+// and only local pointers are read inside the k loop, so nothing aliases the accumulators).
 
 // ---- AVX2 + FMA: 8 lanes, scalar tail ------------------------------------------------------------------------
 #define PJ_AVX2 __attribute__((target("avx2,fma")))
@@ -319,24 +340,25 @@ PJ_AVX2 inline float HsumAvx2(__m256 v) {  // the fixed horizontal tree
 // float32 rows (4 KiB) gained nothing at 1 row and lost at 64 rows; the quantized kernels turn compute bound with
 // more rows, where the extra loads cost (int8 over kBlockRows rows 0.93x; int4 over 2 rows: 1.08x in products,
 // 0.94x in the 4-request engine step): those read as before. A prefetch changes no sum: the bits are the same.
+// The next block's rows: the NB rows after this block's (adjacent) or the next row of each stream (apart > 1).
 template <int NB>
-PJ_AVX2 inline void PrefetchNext(const void* block, int64_t row_bytes, int64_t at) {
-  const char* next = static_cast<const char*>(block) + NB * row_bytes + at;  // past the weight's end: x86 ignores it
-  for (int b = 0; b < NB; ++b) _mm_prefetch(next + b * row_bytes, _MM_HINT_T0);
+PJ_AVX2 inline void PrefetchNext(const void* block, int64_t row_bytes, int64_t apart, int64_t at) {
+  const char* next = static_cast<const char*>(block) + (apart > 1 ? 1 : NB) * row_bytes + at;  // past the end: ignored
+  for (int b = 0; b < NB; ++b) _mm_prefetch(next + b * apart * row_bytes, _MM_HINT_T0);
 }
 
 template <typename WT, int R, int NB>
-PJ_AVX2 void BlockAvx2(const Job& j, int64_t n) {
-  const int64_t K = j.K, kv = K / 8 * 8;
+PJ_AVX2 void BlockAvx2(const Job& j, int64_t n, int64_t apart) {
+  const int64_t K = j.K, kv = K / 8 * 8, rs = apart * K;
   const WT* __restrict w = static_cast<const WT*>(j.w) + n * K;
   const float* __restrict x = j.x;
   __m256 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kv; k += 8) {
-    if (sizeof(WT) == 2 && (k & 31) == 0) PrefetchNext<NB>(w, 2 * K, 2 * k);
+    if (sizeof(WT) == 2 && (k & 31) == 0) PrefetchNext<NB>(w, 2 * K, apart, 2 * k);
     __m256 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = LoadAvx2(w + b * K + k);
+    for (int b = 0; b < NB; ++b) wv[b] = LoadAvx2(w + b * rs + k);
     for (int r = 0; r < R; ++r) {
       __m256 xv = _mm256_loadu_ps(x + r * K + k);
       for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
@@ -346,19 +368,19 @@ PJ_AVX2 void BlockAvx2(const Job& j, int64_t n) {
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) {
       float s = HsumAvx2(acc[b][r]);
-      for (int64_t k = kv; k < K; ++k) s += ToF32(w[b * K + k]) * x[r * K + k];
+      for (int64_t k = kv; k < K; ++k) s += ToF32(w[b * rs + k]) * x[r * K + k];
       sums[b][r] = s;
     }
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) j.Store(r, n + b, sums[b][r]);
+    for (int r = 0; r < R; ++r) j.Store(r, n + b * apart, sums[b][r]);
 }
 
 template <typename WT, int R>
 PJ_AVX2 void RowsAvx2(const Job& j, int64_t n0, int64_t n1) {
   constexpr int NB = R <= 2 ? 4 : (R <= 4 ? 3 : 1);  // NB * R accumulators + NB weights + 1 x within 16 ymm
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) BlockAvx2<WT, R, NB>(j, n);
-  for (; n < n1; ++n) BlockAvx2<WT, R, 1>(j, n);
+  const Blocks b = BlocksOf<NB>(j, n0, n1);
+  for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) BlockAvx2<WT, R, NB>(j, n, b.apart);
+  for (int64_t n = b.tail; n < n1; ++n) BlockAvx2<WT, R, 1>(j, n, 1);
 }
 
 // 8 dequantized int8 weights at v, (q - zero) * scale, two roundings.
@@ -371,8 +393,8 @@ PJ_AVX2 inline __m256 DequantAvx2(const uint8_t* v, __m256 zv, __m256 sv) {
 
 // int8 weights: BlockAvx2<float>'s lanes, order and tree over the weight dequantized in registers, 8 per load.
 template <bool Zero, int R, int NB>
-PJ_AVX2 void BlockQuantAvx2(const Job& j, int64_t n) {
-  const int64_t K = j.K, gs = j.gs, G = K / gs;
+PJ_AVX2 void BlockQuantAvx2(const Job& j, int64_t n, int64_t apart) {
+  const int64_t K = j.K, gs = j.gs, G = K / gs, rs = apart * K;
   const uint8_t* __restrict v = j.qv + n * K;
   const float* __restrict x = j.x;
   __m256 acc[NB][R];
@@ -381,13 +403,13 @@ PJ_AVX2 void BlockQuantAvx2(const Job& j, int64_t n) {
   for (int64_t g = 0; g < G; ++g) {
     __m256 sv[NB], zv[NB];
     for (int b = 0; b < NB; ++b) {
-      sv[b] = _mm256_set1_ps(j.scale[(n + b) * G + g]);
-      zv[b] = _mm256_set1_ps(static_cast<float>(j.zero[(n + b) * G + g]));
+      sv[b] = _mm256_set1_ps(j.scale[(n + b * apart) * G + g]);
+      zv[b] = _mm256_set1_ps(static_cast<float>(j.zero[(n + b * apart) * G + g]));
     }
     for (int64_t o = 0; o < gs; o += 8) {
-      if (R <= kBlockRows && ((g * gs + o) & 63) == 0) PrefetchNext<NB>(v, K, g * gs + o);
+      if (R <= kBlockRows && ((g * gs + o) & 63) == 0) PrefetchNext<NB>(v, K, apart, g * gs + o);
       __m256 wv[NB];
-      for (int b = 0; b < NB; ++b) wv[b] = DequantAvx2<Zero>(v + b * K + g * gs + o, zv[b], sv[b]);
+      for (int b = 0; b < NB; ++b) wv[b] = DequantAvx2<Zero>(v + b * rs + g * gs + o, zv[b], sv[b]);
       for (int r = 0; r < R; ++r) {
         __m256 xv = _mm256_loadu_ps(x + r * K + g * gs + o);
         for (int b = 0; b < NB; ++b) acc[b][r] = _mm256_fmadd_ps(wv[b], xv, acc[b][r]);
@@ -395,7 +417,7 @@ PJ_AVX2 void BlockQuantAvx2(const Job& j, int64_t n) {
     }
   }
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) j.Store(r, n + b, HsumAvx2(acc[b][r]));
+    for (int r = 0; r < R; ++r) j.Store(r, n + b * apart, HsumAvx2(acc[b][r]));
 }
 
 template <bool Zero>
@@ -413,9 +435,9 @@ PJ_AVX2 void DequantRowsAvx2(const Job& j, int64_t n0, int64_t n1, float* out) {
 template <bool Zero, int R>
 PJ_AVX2 void RowsQuantAvx2(const Job& j, int64_t n0, int64_t n1) {
   constexpr int NB = R <= 2 ? 4 : (R <= 4 ? 2 : 1);  // NB * R accumulators + NB weights, scales, zeros + 1 x
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) BlockQuantAvx2<Zero, R, NB>(j, n);
-  for (; n < n1; ++n) BlockQuantAvx2<Zero, R, 1>(j, n);
+  const Blocks b = BlocksOf<NB>(j, n0, n1);
+  for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) BlockQuantAvx2<Zero, R, NB>(j, n, b.apart);
+  for (int64_t n = b.tail; n < n1; ++n) BlockQuantAvx2<Zero, R, 1>(j, n, 1);
 }
 
 PJ_AVX2 inline float FmaAvx2(float a, float b, float c) {
@@ -445,10 +467,10 @@ PJ_AVX2 float ZeroShareAvx2(const Job& j, int64_t r, int64_t n) {
 // nibbles -> int16; per x row two vpmaddwd, an add, a conversion and an FMA per 32 columns. Tiled (Tiled true):
 // the NB rows at n lie in one tile, whose chunk c is the line at 64 * c, row b's 16 bytes at 16 * b within it.
 template <int R, int NB, bool Tiled>
-PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n) {
+PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n, int64_t apart) {  // (tiled: apart 1)
   const int64_t K = j.K, gs = j.gs, h = gs / 2, G = K / gs, KB = K / 2;
   const uint8_t* __restrict v = j.Int4Chunk(n, 0);
-  const int64_t row_step = Tiled ? 16 : KB, chunk_step = Tiled ? 16 * kTileRows : 16;
+  const int64_t row_step = Tiled ? 16 : KB * apart, chunk_step = Tiled ? 16 * kTileRows : 16;
   const int16_t* __restrict x = j.xq;
   const __m256i mask = _mm256_set1_epi32(0x000F000F);
   const __m256i even = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), odd = _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12);
@@ -461,9 +483,9 @@ PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n) {
       if (R <= 2 && Tiled)  // the next tile's line for this chunk (a tile is one stream)
         _mm_prefetch(reinterpret_cast<const char*>(v) + kTileRows * KB + c * chunk_step, _MM_HINT_T0);
       else if (R <= 2 && (c & 3) == 0)
-        PrefetchNext<NB>(v, KB, 16 * c);
+        PrefetchNext<NB>(v, KB, apart, 16 * c);
       for (int b = 0; b < NB; ++b) {
-        const __m256 sv = _mm256_set1_ps(j.scale[(n + b) * G + g]);
+        const __m256 sv = _mm256_set1_ps(j.scale[(n + b * apart) * G + g]);
         const __m256i w = _mm256_broadcastsi128_si256(
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + b * row_step + c * chunk_step)));
         const __m256i qa = _mm256_and_si256(_mm256_srlv_epi32(w, even), mask);
@@ -479,7 +501,8 @@ PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n) {
     }
   }
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) j.Store(r, n + b, (HsumAvx2(acc[b][r]) - ZeroShareAvx2(j, r, n + b)) * j.xs[r]);
+    for (int r = 0; r < R; ++r)
+      j.Store(r, n + b * apart, (HsumAvx2(acc[b][r]) - ZeroShareAvx2(j, r, n + b * apart)) * j.xs[r]);
 }
 
 // 8 columns of x at p times inv, rounded to int32 within +-32767, the even columns in the low half.
@@ -538,13 +561,14 @@ PJ_AVX2 void RowsInt4Avx2(const Job& j, int64_t n0, int64_t n1) {
   int64_t n = n0;
   if (j.tiled) {  // blocks that divide a tile (n0 is a multiple of 16, so of kTileRows): a tile per pass up to 2 rows
     constexpr int NB = R <= 2 ? kTileRows : (R <= 4 ? 2 : 1);  // (Block never passes over kBlockRows rows)
-    for (; n + NB <= n1; n += NB) BlockInt4Avx2<R, NB, true>(j, n);
-    for (; n < n1; ++n) BlockInt4Avx2<R, 1, true>(j, n);
+    for (; n + NB <= n1; n += NB) BlockInt4Avx2<R, NB, true>(j, n, 1);
+    for (; n < n1; ++n) BlockInt4Avx2<R, 1, true>(j, n, 1);
     return;
   }
   constexpr int NB = R <= 1 ? 4 : (R <= 2 ? 3 : (R <= 4 ? 2 : 1));
-  for (; n + NB <= n1; n += NB) BlockInt4Avx2<R, NB, false>(j, n);
-  for (; n < n1; ++n) BlockInt4Avx2<R, 1, false>(j, n);
+  const Blocks b = BlocksOf<NB>(j, n0, n1);
+  for (int64_t i = 0; i < b.count; ++i, n += b.step) BlockInt4Avx2<R, NB, false>(j, n, b.apart);
+  for (n = b.tail; n < n1; ++n) BlockInt4Avx2<R, 1, false>(j, n, 1);
 }
 
 // ---- AVX-512 (F, BW, VL): 16 lanes, masked tail ---------------------------------------------------------------
@@ -816,7 +840,7 @@ void Run(ffi::ThreadPool& pool, const std::shared_ptr<Shared>& s, int64_t row_by
 bool FloatRowsType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
 
 ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y,
-                        int32_t isa) {
+                        int32_t isa, bool streams) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] || yd[1] != wd[0])
     return ffi::Error::InvalidArgument("pocketjax skinny_matmul: expects x [rows, in], w [out, in], y [rows, out]");
@@ -832,13 +856,15 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   auto s = std::make_shared<Shared>();
   const uint16_t* xb = x_bf16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
   s->job = Job{FloatRows(x, x_bf16 && resolved != 4), xb, w.untyped_data(), y->untyped_data(), x_bf16, rows, K, N};
+  s->job.streams = streams;
   for (int r = 1; r <= kMaxRows; ++r) s->fns[r - 1] = Select(resolved, w_bf16, r);
   Run(pool, s, K * (w_bf16 ? 2 : 4), K * (w_bf16 ? 2 : 4));
   return ffi::Error::Success();
 }
 
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer scale,
-                           ffi::AnyBuffer zero, ffi::Result<ffi::AnyBuffer> y, int32_t isa, bool has_zero, bool tiled) {
+                           ffi::AnyBuffer zero, ffi::Result<ffi::AnyBuffer> y, int32_t isa, bool has_zero, bool tiled,
+                           bool streams) {
   auto xd = x.dimensions(), vd = values.dimensions(), sd = scale.dimensions(), zd = zero.dimensions(),
        yd = y->dimensions();
   const int bits = values.element_type() == ffi::DataType::U8 ? 4 : 8;
@@ -867,6 +893,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   s->job.zero = static_cast<const int8_t*>(zero.untyped_data());
   s->job.gs = K / sd[1];
   s->job.bits = bits;
+  s->job.streams = streams;
   for (int r = 1; r <= kMaxRows; ++r) {
     s->fns[r - 1] = SelectQuant(resolved, bits, has_zero, r);
     s->dense[r - 1] = Select(resolved, false, r);
@@ -902,7 +929,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxSkinnyMatmul, SkinnyMatmul,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("isa"));
+                                  .Attr<int32_t>("isa")
+                                  .Attr<bool>("streams"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxQuantizedMatmul, QuantizedMatmul,
                               ffi::Ffi::Bind()
@@ -914,7 +942,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxQuantizedMatmul, QuantizedMatmul,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("isa")
                                   .Attr<bool>("has_zero")
-                                  .Attr<bool>("tiled"));
+                                  .Attr<bool>("tiled")
+                                  .Attr<bool>("streams"));
 
 // For tests and the benchmark: the code path `isa` (0 = auto) resolves to on this CPU for x's and w's dtypes.
 extern "C" int PocketjaxSkinnyMatmulIsa(int32_t requested, int32_t x_bf16, int32_t w_bf16) {

@@ -1,0 +1,125 @@
+"""The native CPU kernel's register blocks over adjacent weight rows against row streams (`streams`, the default;
+csrc/skinny_matmul.cc `Blocks`): every product of one decode step of a model's shapes (per layer q, k, v, o, gate, up,
+down, then the lm_head; distinct weights, so they come from memory as in a step), in one jitted program per order,
+the two run alternately in one process, their outputs asserted bitwise equal.
+
+    python benchmarks/bench_streams.py [--model qwen3-0.6b] [--weights float32,bfloat16,int8,int4]
+                                       [--rows 1,2,4,8] [--repeats 10] [--json OUT] [--quick]
+
+Why: adjacent rows of an [out, in] weight are a block's NB streams one row long (in = 1024: 4 KiB float32, 1 KiB
+int8), which the hardware prefetcher starts over at every block; as NB runs of rows, a block reads NB long
+sequential streams. int4 here is row-major (a single-device CPU load tiles int4, and a tile is one stream already:
+bench_tiles.py). Weights are random (a product's time does not depend on the values); x is the weights' float dtype.
+Reports the median over `--repeats` alternating rounds; prints a markdown table last; never asserts on time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: pocketjax + siblings
+
+from benchmarks.common import add_options, add_quick, machine, markdown_table, parse, parse_ints, write_json  # noqa: E402
+from benchmarks.presets import PRESETS  # noqa: E402
+from pocketjax.model import cpu_kernels, quant  # noqa: E402
+
+QUICK = dict(model="qwen3-tiny", weights="float32,int8", rows="1,2", repeats=2)
+WEIGHTS = ("float32", "bfloat16", "int8", "int4")
+
+
+def step_shapes(config: dict) -> list[tuple[int, int]]:
+    """[out, in] of every product of one decode step: per layer q, k, v, o, gate, up, down, then the lm_head."""
+    hidden, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    layer = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q), (inter, hidden), (inter, hidden), (hidden, inter)]
+    return layer * config["num_hidden_layers"] + [(config["vocab_size"], hidden)]
+
+
+def random_weight(rng: np.random.Generator, out: int, cols: int, form: str):
+    """A random [out, cols] weight in `form`: a float array, or a QuantizedWeight of quant.py's layout (int8 per
+    channel, int4 in groups of quant.GROUP_SIZE, row-major)."""
+    if form in ("float32", "bfloat16"):
+        return jnp.asarray(rng.standard_normal((out, cols), np.float32), form)
+    bits = 8 if form == "int8" else 4
+    leaves = {}
+    for name, (shape, _) in quant.leaf_shapes(out, cols, bits).items():
+        if name == "scale":
+            leaves[name] = rng.random(shape, np.float32) * np.float32(0.01)
+        elif name == "zero":
+            leaves[name] = rng.integers(0, 16, shape, np.int8)
+        else:  # values: int8, or two int4 per byte
+            leaves[name] = rng.integers(0, 256, shape, np.uint8) if bits == 4 else rng.integers(-127, 128, shape, np.int8)
+    leaves = {name: jnp.asarray(leaf) for name, leaf in leaves.items()}
+    return quant.QuantizedWeight(bits=bits, **leaves)
+
+
+def step_products(weights: list, streams: bool):
+    """One jitted program: every weight's product with x (its row of outputs kept), rows in `streams` order."""
+    def run(x, ws):
+        out = []
+        for w in ws:
+            xi = x[:, :w.shape[1]] if x.shape[1] >= w.shape[1] else jnp.tile(x, (1, w.shape[1] // x.shape[1]))
+            if isinstance(w, quant.QuantizedWeight):
+                out.append(cpu_kernels.quantized_matmul(xi, w, streams=streams))
+            else:
+                out.append(cpu_kernels.skinny_matmul(xi, w, streams=streams))
+        return out
+    return jax.jit(run)
+
+
+def compare(weights: list, x: jax.Array, repeats: int) -> dict:
+    """Median ms of the step's products in each order over `repeats` alternating rounds; bits asserted equal."""
+    programs = {"adjacent": step_products(weights, False), "streams": step_products(weights, True)}
+    outs = {name: jax.block_until_ready(p(x, weights)) for name, p in programs.items()}  # compiles, warms
+    if not all(np.array_equal(a, b) for a, b in zip(outs["adjacent"], outs["streams"])):
+        raise RuntimeError("adjacent rows and row streams gave different bits")
+    times = {name: [] for name in programs}
+    for _ in range(repeats):
+        for name, p in programs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(p(x, weights))
+            times[name].append(time.perf_counter() - start)
+    ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
+    return {"adjacent_ms": ms["adjacent"], "streams_ms": ms["streams"], "speedup": ms["adjacent"] / ms["streams"]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_options(p, model="qwen3-0.6b", weights=",".join(WEIGHTS), rows="1,2,4,8", repeats=10, json=None)
+    args = parse(add_quick(p, QUICK), argv, QUICK)
+    if args["model"] not in PRESETS:
+        raise SystemExit(f"--model: one of {sorted(PRESETS)} (the shapes are a preset's)")
+    forms = args["weights"].split(",")
+    if not set(forms) <= set(WEIGHTS):
+        raise SystemExit(f"--weights: a comma-separated subset of {WEIGHTS}, got {args['weights']!r}")
+    if not cpu_kernels.available():
+        raise SystemExit("the native CPU kernels are not available in this process (see the log)")
+    shapes = step_shapes(PRESETS[args["model"]])
+    widest = max(cols for _, cols in shapes)
+    rng = np.random.default_rng(0)
+    records = []
+    for form in forms:
+        weights = [random_weight(rng, out, cols, form) for out, cols in shapes]
+        mib = sum(w.nbytes for w in weights) / 2**20
+        for rows in parse_ints(args["rows"]):
+            x = jnp.asarray(rng.standard_normal((rows, widest), np.float32), "bfloat16" if form == "bfloat16" else
+                            "float32")
+            records.append({"weights": form, "rows": rows, "products": len(shapes), "weight_mib": mib,
+                            **compare(weights, x, args["repeats"])})
+        del weights
+    write_json(args["json"], {"settings": args, "machine": machine("cpu", "usable_cores", "jax", "loadavg"),
+                              "records": records})
+    print(markdown_table(["model", "weights", "rows", "MiB read", "adjacent ms", "streams ms", "streams speedup"], (
+        [args["model"], r["weights"], r["rows"], f"{r['weight_mib']:.0f}", f"{r['adjacent_ms']:.2f}",
+         f"{r['streams_ms']:.2f}", f"{r['speedup']:.3f}x"] for r in records)))
+
+
+if __name__ == "__main__":
+    main()
