@@ -5,6 +5,12 @@ the two run alternately in one process, their outputs asserted bitwise equal.
 
     python benchmarks/bench_streams.py [--model qwen3-0.6b] [--weights float32,bfloat16,int8,int4]
                                        [--rows 1,2,4,8] [--repeats 10] [--json OUT] [--quick]
+    python benchmarks/bench_streams.py --engine [--quantize none,int8+head] [--concurrency 1,4] [--pairs 3]
+
+`--engine`: the engine's decode step instead (greedy, prompt 128), each order in its own fresh process (a process
+whose kernel products default to `streams=False` is the adjacent one), the two alternated `--pairs` times; reports
+the median of each process's median step. Two engines alternated in one process do not separate the orders: a
+control whose adjacent engine ran the portable kernel timed both engines alike.
 
 Why: adjacent rows of an [out, in] weight are a block's NB streams one row long (in = 1024: 4 KiB float32, 1 KiB
 int8), which the hardware prefetcher starts over at every block; as NB runs of rows, a block reads NB long
@@ -15,7 +21,10 @@ Reports the median over `--repeats` alternating rounds; prints a markdown table 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,11 +35,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: pocketjax + siblings
 
-from benchmarks.common import add_options, add_quick, machine, markdown_table, parse, parse_ints, write_json  # noqa: E402
+from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, add_quick, machine, markdown_table,  # noqa: E402
+                               model_folder, parse, parse_ints, write_json)
 from benchmarks.presets import PRESETS  # noqa: E402
+from pocketjax import BatchedRequest, Engine, SamplingParams, load_model  # noqa: E402
 from pocketjax.model import cpu_kernels, quant  # noqa: E402
 
-QUICK = dict(model="qwen3-tiny", weights="float32,int8", rows="1,2", repeats=2)
+QUICK = dict(model="qwen3-tiny", weights="float32,int8", rows="1,2", repeats=2, quantize="int8+head", concurrency="2",
+             pairs=1, steps=4)
 WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 
 
@@ -54,8 +66,10 @@ def random_weight(rng: np.random.Generator, out: int, cols: int, form: str):
             leaves[name] = rng.random(shape, np.float32) * np.float32(0.01)
         elif name == "zero":
             leaves[name] = rng.integers(0, 16, shape, np.int8)
-        else:  # values: int8, or two int4 per byte
-            leaves[name] = rng.integers(0, 256, shape, np.uint8) if bits == 4 else rng.integers(-127, 128, shape, np.int8)
+        elif bits == 4:  # values: two int4 per byte
+            leaves[name] = rng.integers(0, 256, shape, np.uint8)
+        else:
+            leaves[name] = rng.integers(-127, 128, shape, np.int8)
     leaves = {name: jnp.asarray(leaf) for name, leaf in leaves.items()}
     return quant.QuantizedWeight(bits=bits, **leaves)
 
@@ -90,10 +104,66 @@ def compare(weights: list, x: jax.Array, repeats: int) -> dict:
     return {"adjacent_ms": ms["adjacent"], "streams_ms": ms["streams"], "speedup": ms["adjacent"] / ms["streams"]}
 
 
+def engine_step_ms(folder: str, quantize: str, c: int, steps: int, streams: bool) -> float:
+    """Median decode step (ms) of a fresh engine at c requests, its kernels' rows in `streams` order (run in a process
+    of its own: the adjacent order is this process's products with `streams=False` bound)."""
+    if not streams:
+        cpu_kernels.skinny_matmul = functools.partial(cpu_kernels.skinny_matmul, streams=False)
+        cpu_kernels.quantized_matmul = functools.partial(cpu_kernels.quantized_matmul, streams=False)
+    model = load_model(folder, dtype="float32", quantize=None if quantize == "none" else quantize)
+    engine = Engine(model, max_batch_size=c, max_seq_len=128 + steps + 16)
+    sampling = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
+    reqs = [BatchedRequest(request_id=str(i), prompt_tokens=[2 + i] + [5] * 127, sampling=sampling) for i in range(c)]
+    for r in reqs:
+        engine.allocate_slot(r)
+    engine.batch_prefill(reqs)
+    engine.batch_decode_step(reqs)  # warm
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.batch_decode_step(reqs)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def compare_engines(args: dict) -> list[dict]:
+    """Per quantize mode and concurrency: each order's fresh process alternated `pairs` times."""
+    folder = str(model_folder(args["model"], args["cache_dir"]))
+    records = []
+    for mode in args["quantize"].split(","):
+        for c in parse_ints(args["concurrency"]):
+            ms = {"adjacent": [], "streams": []}
+            for _ in range(args["pairs"]):
+                for order in ms:
+                    out = subprocess.run([sys.executable, __file__, "--engine-worker", json.dumps(
+                        [folder, mode, c, args["steps"], order == "streams"])], capture_output=True, text=True)
+                    if out.returncode:
+                        raise RuntimeError(f"{order} engine process failed:\n{out.stderr[-2000:]}")
+                    ms[order].append(float(out.stdout.strip().splitlines()[-1]))
+            a, b = (statistics.median(ms[o]) for o in ms)
+            records.append({"quantize": mode, "concurrency": c, "adjacent_ms": a, "streams_ms": b, "speedup": a / b,
+                            "runs": ms})
+    return records
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--engine-worker"]:
+        print(engine_step_ms(*json.loads(argv[1])))
+        return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_options(p, model="qwen3-0.6b", weights=",".join(WEIGHTS), rows="1,2,4,8", repeats=10, json=None)
+    add_options(p, model="qwen3-0.6b", weights=",".join(WEIGHTS), rows="1,2,4,8", repeats=10, quantize="none,int8+head",
+                concurrency="1,4", pairs=3, steps=40, cache_dir=DEFAULT_CACHE_DIR, json=None)
+    p.add_argument("--engine", action="store_true", help="time the engine's decode step, one process per order")
     args = parse(add_quick(p, QUICK), argv, QUICK)
+    if args["engine"]:
+        records = compare_engines(args)
+        write_json(args["json"], {"settings": args, "machine": machine("cpu", "usable_cores", "jax", "loadavg"),
+                                  "records": records})
+        print(markdown_table(["model", "weights", "conc", "adjacent ms/step", "streams ms/step", "streams speedup"], (
+            [args["model"], r["quantize"], r["concurrency"], f"{r['adjacent_ms']:.2f}", f"{r['streams_ms']:.2f}",
+             f"{r['speedup']:.3f}x"] for r in records)))
+        return
     if args["model"] not in PRESETS:
         raise SystemExit(f"--model: one of {sorted(PRESETS)} (the shapes are a preset's)")
     forms = args["weights"].split(",")

@@ -246,7 +246,8 @@ def test_bench_tiles_quick_run_times_both_layouts_on_the_same_tokens(tmp_path, c
 @pytest.mark.skipif(not cpu_kernels.available(), reason="row streams are the native kernel's block order")
 def test_bench_streams_quick_run_times_both_row_orders_on_the_same_bits(tmp_path, capsys):
     """bench_streams runs one decode step's products in adjacent-row and row-stream blocks alternately (it raises if
-    their outputs differ) and records both medians per weight form and row count; the table is printed last."""
+    their outputs differ) and records both medians per weight form and row count, the table printed last; --engine
+    times an engine's decode step in a fresh process per order."""
     from benchmarks import bench_streams
 
     out = tmp_path / "streams.json"
@@ -255,3 +256,7 @@ def test_bench_streams_quick_run_times_both_row_orders_on_the_same_bits(tmp_path
     assert [(r["weights"], r["rows"]) for r in records] == [("float32", 1), ("float32", 3), ("int8", 1), ("int8", 3)]
     assert all(r["adjacent_ms"] > 0 and r["streams_ms"] > 0 and r["products"] == 4 * 7 + 1 for r in records)
     assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| qwen3-tiny | int8 | 3 |")
+    bench_streams.main(["--engine", "--quick", "--cache-dir", str(tmp_path / "models"), "--json", str(out)])
+    (record,) = json.loads(out.read_text())["records"]  # one fresh engine process per order
+    assert (record["quantize"], record["concurrency"]) == ("int8+head", 2)
+    assert all(len(record["runs"][order]) == 1 and record["runs"][order][0] > 0 for order in ("adjacent", "streams"))
