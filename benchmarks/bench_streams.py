@@ -9,8 +9,8 @@ the two run alternately in one process, their outputs asserted bitwise equal.
 
 `--engine`: the engine's decode step instead (greedy, prompt 128), each order in its own fresh process (a process
 whose kernel products default to `streams=False` is the adjacent one), the two alternated `--pairs` times; reports
-the median of each process's median step. Two engines alternated in one process do not separate the orders: a
-control whose adjacent engine ran the portable kernel timed both engines alike.
+the median of each process's median step. Fresh processes because the order is a trace-time choice that jax.jit's
+cache does not key: two engines in one process with programs of the same shapes would share them.
 
 Why: adjacent rows of an [out, in] weight are a block's NB streams one row long (in = 1024: 4 KiB float32, 1 KiB
 int8), which the hardware prefetcher starts over at every block; as NB runs of rows, a block reads NB long
