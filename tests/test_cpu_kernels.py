@@ -102,8 +102,8 @@ def test_int8_kernel_is_the_float_kernel_on_the_dequantized_weight_bit_for_bit(i
 
 def int4_model(x, w: quant.QuantizedWeight) -> np.ndarray:
     """numpy's model of the int4 kernel's steps (csrc/skinny_matmul.cc, Int4Rows): each row rounded to int16 with one
-    scale, exact integer sums per lane (lane l < 4 of a 32-column chunk: its columns 4l..4l+3 of the group's first
-    half, lane 4 + l the same of its second half), one float32 FMA per lane and chunk with the group's scale, the
+    scale, exact integer sums per lane (lane l of a 32-column chunk: its columns 2l, 2l + 1 of the group's first half
+    and the same two of its second half), one float32 FMA per lane and chunk with the group's scale, the
     zeros' share (scale * zero * the row's integer sum per group: 8 lanes over groups, the rest in order), the kernel's
     horizontal tree, then the row's scale. FMAs in float64 (exact products; a double rounding is possible but has not
     occurred on these inputs). x: float32 values; returns float32."""
@@ -118,8 +118,8 @@ def int4_model(x, w: quant.QuantizedWeight) -> np.ndarray:
     packed = np.asarray(w.values).reshape(n, groups, half)
     q = np.concatenate([packed & 15, packed >> 4], axis=-1).astype(np.int64)
     chunks = half // 16
-    lanes = np.einsum("ngpclk,rgpclk->rngcpl", q.reshape(n, groups, 2, chunks, 4, 4),
-                      xi.reshape(rows, groups, 2, chunks, 4, 4)).reshape(rows, n, groups, chunks, 8)
+    lanes = np.einsum("ngpclk,rgpclk->rngcl", q.reshape(n, groups, 2, chunks, 8, 2),
+                      xi.reshape(rows, groups, 2, chunks, 8, 2))
     lanes = lanes.astype(np.float32).astype(np.float64)
     scale = np.asarray(w.scale, np.float32)
 

@@ -218,13 +218,15 @@ inline float Job::ZeroShare(int64_t r, int64_t n) const {
 // Every integer sum is exact, the float steps are one fixed sequence per output element (8 lanes of FMAs in chunk
 // order, HsumAvx2's tree, one product by sx), so a row's bits depend on nothing but the row and the weight, at any
 // row count, and the portable path computes the same bits (std::fma, the same tree).
-// Lanes of one chunk (16 bytes at offset o of group g's half-size run, h = gs / 2): lane l < 4 sums columns
-// o + 4l .. o + 4l + 3, lane 4 + l columns h + o + 4l .. + 3 (of the group); x is stored in that order (`Int4Rows`).
+// Lanes of one chunk (16 bytes at offset o of group g's half-size run, h = gs / 2; byte i holds column o + i in its
+// low nibble, h + o + i in its high one): lane l sums columns o + 2l, o + 2l + 1, h + o + 2l and h + o + 2l + 1 (of
+// the group), what the bytes zero-extended to int16 (low nibbles: a mask; high: a shift) give two vpmaddwd against
+// x's chunk stored as its 16 columns of the first half, then its 16 of the second (`Int4Rows`).
 
 constexpr float kInt16Max = 32767.f;
 
-// x rows [R, K] f32 -> xq [R, K] int16 in the kernel's order, xs [R] and xsum [R, K / gs]: per 32-column chunk, the
-// 16 even then the 16 odd columns of its two halves (what the unpack below yields). A row holding a NaN or an
+// x rows [R, K] f32 -> xq [R, K] int16 in the kernel's order, xs [R] and xsum [R, K / gs]: per 32-column chunk, its
+// 16 columns of the group's first half, then its 16 of the second (the nibbles' order in the chunk's bytes). A row holding a NaN or an
 // infinity gets scale NaN (its outputs are NaN) and zeros.
 void Int4Rows(const float* x, int64_t R, int64_t K, int64_t gs, int16_t* xq, float* xs, float* xsum) {
   const int64_t h = gs / 2;
@@ -247,15 +249,13 @@ void Int4Rows(const float* x, int64_t R, int64_t K, int64_t gs, int16_t* xq, flo
       int64_t sum = 0;
       for (int64_t o = 0; o < h; o += 16) {
         int16_t* out = xq + g * gs + 2 * o;
-        for (int i = 0; i < 16; ++i) {
-          const int64_t col = g * gs + (i < 8 ? o + 2 * i : h + o + 2 * (i - 8));  // even columns of both halves
-          for (int odd = 0; odd < 2; ++odd) {
-            float v = std::nearbyint(x[col + odd] * inv);
+        for (int half = 0; half < 2; ++half)
+          for (int i = 0; i < 16; ++i) {
+            float v = std::nearbyint(x[g * gs + half * h + o + i] * inv);
             v = v > kInt16Max ? kInt16Max : (v < -kInt16Max ? -kInt16Max : v);
-            out[odd * 16 + i] = static_cast<int16_t>(v);
+            out[half * 16 + i] = static_cast<int16_t>(v);
             sum += static_cast<int64_t>(v);
           }
-        }
       }
       xsum[g] = static_cast<float>(sum);
     }
@@ -271,10 +271,8 @@ void RowsInt4Portable(const Job& j, int64_t n0, int64_t n1) {
       const float s = j.scale[n * G + g];
       for (int64_t o = 0; o < h; o += 16) {
         const uint8_t* v = j.Int4Chunk(n, (g * h + o) / 16);
-        int q[32];  // the kernel's order: even bytes' low then high nibbles, odd bytes' low then high nibbles
-        for (int i = 0; i < 8; ++i) {
-          q[i] = v[2 * i] & 15, q[8 + i] = v[2 * i] >> 4, q[16 + i] = v[2 * i + 1] & 15, q[24 + i] = v[2 * i + 1] >> 4;
-        }
+        int q[32];  // the kernel's order: the 16 low nibbles, then the 16 high ones
+        for (int i = 0; i < 16; ++i) q[i] = v[i] & 15, q[16 + i] = v[i] >> 4;
         for (int r = 0; r < R; ++r) {
           const int16_t* xi = j.xq + r * K + g * gs + 2 * o;
           for (int l = 0; l < 8; ++l) {
@@ -476,8 +474,9 @@ PJ_AVX2 inline void ZeroSharesAvx2(const Job& j, int64_t r, int64_t n, int64_t a
   }
 }
 
-// int4 against 16-bit x (see Int4Rows): 16 bytes broadcast to both halves, one variable shift and mask per 16
-// nibbles -> int16; per x row two vpmaddwd, an add, a conversion and an FMA per 32 columns. Tiled (Tiled true):
+// int4 against 16-bit x (see Int4Rows): 16 bytes zero-extended to int16, a mask (low nibbles) and a shift (high
+// ones; 1.05-1.1x a 1-row product over a broadcast and two variable shifts and masks); per x row two vpmaddwd, an
+// add, a conversion and an FMA per 32 columns. Tiled (Tiled true):
 // the NB rows at n lie in one tile, whose chunk c is the line at 64 * c, row b's 16 bytes at 16 * b within it.
 template <int R, int NB, bool Tiled>
 PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n, int64_t apart) {  // (tiled: apart 1)
@@ -485,8 +484,7 @@ PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n, int64_t apart) {  // (tiled:
   const uint8_t* __restrict v = j.Int4Chunk(n, 0);
   const int64_t row_step = Tiled ? 16 : KB * apart, chunk_step = Tiled ? 16 * kTileRows : 16;
   const int16_t* __restrict x = j.xq;
-  const __m256i mask = _mm256_set1_epi32(0x000F000F);
-  const __m256i even = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4), odd = _mm256_setr_epi32(8, 8, 8, 8, 12, 12, 12, 12);
+  const __m256i mask = _mm256_set1_epi16(15);
   __m256 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm256_setzero_ps();
@@ -501,10 +499,9 @@ PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n, int64_t apart) {  // (tiled:
       PrefetchNext<NB>(v, KB, apart, 16 * c);
     for (int b = 0; b < NB; ++b) {
       const __m256 sv = _mm256_set1_ps(s[b * s_step + g]);
-      const __m256i w = _mm256_broadcastsi128_si256(
+      const __m256i w = _mm256_cvtepu8_epi16(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + b * row_step + c * chunk_step)));
-      const __m256i qa = _mm256_and_si256(_mm256_srlv_epi32(w, even), mask);
-      const __m256i qb = _mm256_and_si256(_mm256_srlv_epi32(w, odd), mask);
+      const __m256i qa = _mm256_and_si256(w, mask), qb = _mm256_srli_epi16(w, 4);
       for (int r = 0; r < R; ++r) {
         const int16_t* xr = x + r * K + 32 * c;
         const __m256i e = _mm256_add_epi32(
@@ -522,11 +519,16 @@ PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n, int64_t apart) {  // (tiled:
   }
 }
 
-// 8 columns of x at p times inv, rounded to int32 within +-32767, the even columns in the low half.
+// 8 columns of x at p times inv, rounded to int32 within +-32767.
 PJ_AVX2 inline __m256i RoundedAvx2(const float* p, __m256 inv) {
   const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_mul_ps(_mm256_loadu_ps(p), inv), _mm256_set1_ps(-kInt16Max)),
                                  _mm256_set1_ps(kInt16Max));
-  return _mm256_permutevar8x32_epi32(_mm256_cvtps_epi32(v), _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  return _mm256_cvtps_epi32(v);
+}
+
+// 16 columns as int32 (a: the first 8, b: the next) -> int16 in order (packs works within 128-bit halves).
+PJ_AVX2 inline __m256i PackedAvx2(__m256i a, __m256i b) {
+  return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
 }
 
 // Int4Rows vectorized, the same bits: cvtps rounds to nearest even as nearbyint does (the default rounding mode).
@@ -558,12 +560,10 @@ PJ_AVX2 void Int4RowsAvx2(const float* x, int64_t R, int64_t K, int64_t gs, int1
         const float* p = x + g * gs + o;
         const __m256i a = RoundedAvx2(p, inv), b = RoundedAvx2(p + 8, inv), c = RoundedAvx2(p + h, inv),
                       d = RoundedAvx2(p + h + 8, inv);
-        const __m256i even1 = _mm256_permute2x128_si256(a, b, 0x20), odd1 = _mm256_permute2x128_si256(a, b, 0x31);
-        const __m256i even2 = _mm256_permute2x128_si256(c, d, 0x20), odd2 = _mm256_permute2x128_si256(c, d, 0x31);
         __m256i* out = reinterpret_cast<__m256i*>(xq + g * gs + 2 * o);
-        _mm256_storeu_si256(out, _mm256_permute4x64_epi64(_mm256_packs_epi32(even1, even2), 0xD8));
-        _mm256_storeu_si256(out + 1, _mm256_permute4x64_epi64(_mm256_packs_epi32(odd1, odd2), 0xD8));
-        sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_add_epi32(even1, even2), _mm256_add_epi32(odd1, odd2)));
+        _mm256_storeu_si256(out, PackedAvx2(a, b));
+        _mm256_storeu_si256(out + 1, PackedAvx2(c, d));
+        sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_add_epi32(a, b), _mm256_add_epi32(c, d)));
       }
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
