@@ -475,9 +475,9 @@ PJ_AVX2 inline void ZeroSharesAvx2(const Job& j, int64_t r, int64_t n, int64_t a
 }
 
 // int4 against 16-bit x (see Int4Rows): 16 bytes zero-extended to int16, a mask (low nibbles) and a shift (high
-// ones; 1.05-1.1x a 1-row product over a broadcast and two variable shifts and masks); per x row two vpmaddwd, an
-// add, a conversion and an FMA per 32 columns. Tiled (Tiled true):
-// the NB rows at n lie in one tile, whose chunk c is the line at 64 * c, row b's 16 bytes at 16 * b within it.
+// ones; 1.1x a 1-row product over a broadcast, two variable shifts and two masks: benchmarks/README.md "The int4
+// kernel's loop"); per x row two vpmaddwd, an add, a conversion and an FMA per 32 columns. Tiled (Tiled true): the
+// NB rows at n lie in one tile, whose chunk c is the line at 64 * c, row b's 16 bytes at 16 * b within it.
 template <int R, int NB, bool Tiled>
 PJ_AVX2 void BlockInt4Avx2(const Job& j, int64_t n, int64_t apart) {  // (tiled: apart 1)
   const int64_t K = j.K, gs = j.gs, h = gs / 2, G = K / gs, KB = K / 2;
