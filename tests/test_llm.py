@@ -1,4 +1,6 @@
 """LLM on the embedded model: text in, text out; greedy output equals an independent full-forward loop."""
+import time
+
 import numpy as np
 import pytest
 
@@ -66,3 +68,23 @@ def test_errors_reach_the_caller(llm):
     with pytest.raises(pj.errors.RequestError, match="a string or a list of token ids"):
         llm.generate([None], GREEDY)
     assert llm.generate("x", GREEDY)[0].finish_reason == "length"  # still serving
+
+
+def test_generate_admits_its_prompts_as_one_batch(llm, monkeypatch):
+    """generate queues every prompt before the loop can admit any (`Scheduler.submit_many`): however slowly the
+    caller encodes them, the first prefill holds all of them, so the shapes compiled do not depend on the caller's
+    speed (queued one at a time, the running loop prefilled the first prompt alone)."""
+    encode, prefill, sizes = llm.encode, llm.engine.batch_prefill, []
+
+    def slow_encode(prompt):
+        time.sleep(0.2)  # the loop, already running, would have admitted the prompts queued so far
+        return encode(prompt)
+
+    def recorded_prefill(requests, **kwargs):
+        sizes.append(len(requests))
+        return prefill(requests, **kwargs)
+
+    monkeypatch.setattr(llm, "encode", slow_encode)
+    monkeypatch.setattr(llm.engine, "batch_prefill", recorded_prefill)
+    outs = llm.generate(["def fibonacci(n):", "import os\n", "class Stack:"], GREEDY)
+    assert sizes[0] == 3 and all(len(o.token_ids) == 10 for o in outs)

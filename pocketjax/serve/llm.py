@@ -140,10 +140,15 @@ class LLM:
 
     def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None):
         """Queue one prompt on the background scheduler; returns its handle."""
+        return self.submit_many([prompt], [sampling])[0]
+
+    def submit_many(self, prompts: Sequence[str | Sequence[int]], sampling: Sequence[SamplingParams | None]) -> list:
+        """Queue prompts together (`Scheduler.submit_many`: admitted as one batch); returns their handles."""
         if not self.started:
             self.scheduler.start()
             self.started = True
-        return self.scheduler.submit(self.encode(prompt), SamplingParams() if sampling is None else sampling)
+        jobs = [(self.encode(p), SamplingParams() if s is None else s, None) for p, s in zip(prompts, sampling)]
+        return self.scheduler.submit_many(jobs)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -155,7 +160,7 @@ class LLM:
         params = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
         if len(params) != len(prompts):
             raise RequestError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
-        handles = [self.submit(p, s) for p, s in zip(prompts, params)]
+        handles = self.submit_many(prompts, params)
         show = len(handles) >= 16 if use_tqdm is None else use_tqdm
         if show:
             from tqdm.auto import tqdm
@@ -190,7 +195,7 @@ class LLM:
             raise RequestError(f"{len(ctxs)} contexts for {len(conts)} continuations (give one, or one each)")
         pairs = [self.encode_pair(ctx, cont) for ctx, cont in zip(ctxs, conts)]
         sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)  # top-1: the greedy flag
-        handles = [self.submit(ctx + cont, sampling) for ctx, cont in pairs]
+        handles = self.submit_many([ctx + cont for ctx, cont in pairs], [sampling] * len(pairs))
         scores = []
         for handle, (ctx, cont) in zip(handles, pairs):
             entries = handle.result().prompt_logprobs[len(ctx):]

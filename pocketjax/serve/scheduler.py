@@ -82,11 +82,26 @@ class Scheduler:
         An invalid request does not raise here: its handle fails with the typed error, as it would at admission,
         so a caller handles every per-request failure in one place (result() or the stream).
         """
+        return self.submit_many([(prompt_tokens, sampling, request_id)])[0]
+
+    def submit_many(self, jobs: Sequence[tuple[Sequence[int], SamplingParams | None, Any]]) -> list[RequestHandle]:
+        """`submit` for (prompt_tokens, sampling, request_id) jobs queued together: the loop sees all of them at
+        its next step, so a batch of prompts is admitted as one (as vLLM's LLM.generate adds its requests before
+        stepping) and the step shapes it runs do not depend on how fast the caller's thread queued them. A full
+        queue raises CapacityError for the first job that does not fit; the jobs before it stay queued."""
+        prepared = [self._prepared(prompt, sampling, request_id) for prompt, sampling, request_id in jobs]
+        with self._cond:
+            handles = [self._queued(request, assigned, invalid) for request, assigned, invalid in prepared]
+            self._cond.notify_all()
+        return handles
+
+    def _prepared(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None,
+                  request_id: Any) -> tuple[BatchedRequest, Any, PocketJaxError | None]:
+        """A request validated outside the lock, under the id it will have: compiling a constraint (seconds at
+        Qwen's vocabulary) must not stall the scheduler loop nor other submitters."""
         ids = isinstance(prompt_tokens, (Sequence, np.ndarray)) and not isinstance(prompt_tokens, str)
         prompt = list(prompt_tokens) if ids else prompt_tokens  # anything else fails its handle in _validate
         request = BatchedRequest(request_id, prompt, SamplingParams() if sampling is None else sampling)
-        # validated outside the lock, under the id it will have: compiling a constraint (seconds at Qwen's
-        # vocabulary) must not stall the scheduler loop nor other submitters
         request.request_id = f"req-{next(self._ids)}" if request_id is None else request_id
         try:
             self._validate(request)
@@ -95,29 +110,31 @@ class Scheduler:
         else:
             invalid = None
         assigned, request.request_id = request.request_id, request_id  # a follower matches process 0's by the given id
-        with self._cond:
-            if self._error is not None:
-                raise self._error
-            if self._stopped:
-                raise StoppedError("the scheduler was stopped: start() it again before submitting")
-            claimed = self.lockstep.claim(request)  # not process 0 of a job: the handle of process 0's request
-            if claimed is not None:
-                return claimed
-            if len(self.waiting) + self.lockstep.held() >= self.max_waiting:
-                raise CapacityError(f"waiting queue is full ({self.max_waiting} requests)")
-            request.request_id = assigned
-            try:
-                if invalid is not None:
-                    raise invalid
-                self._check(request)
-            except PocketJaxError as error:
-                handle = RequestHandle(request)
-                handle.fail(error)
-                return handle
-            handle = RequestHandle(request, self.tokenizer, on_cancel=self.cancel)
-            self._live[request.request_id] = handle
-            self.lockstep.add(handle)
-            self._cond.notify_all()
+        return request, assigned, invalid
+
+    def _queued(self, request: BatchedRequest, assigned: Any, invalid: PocketJaxError | None) -> RequestHandle:
+        """A prepared request's handle, queued (or failed with its error); under self._cond."""
+        if self._error is not None:
+            raise self._error
+        if self._stopped:
+            raise StoppedError("the scheduler was stopped: start() it again before submitting")
+        claimed = self.lockstep.claim(request)  # not process 0 of a job: the handle of process 0's request
+        if claimed is not None:
+            return claimed
+        if len(self.waiting) + self.lockstep.held() >= self.max_waiting:
+            raise CapacityError(f"waiting queue is full ({self.max_waiting} requests)")
+        request.request_id = assigned
+        try:
+            if invalid is not None:
+                raise invalid
+            self._check(request)
+        except PocketJaxError as error:
+            handle = RequestHandle(request)
+            handle.fail(error)
+            return handle
+        handle = RequestHandle(request, self.tokenizer, on_cancel=self.cancel)
+        self._live[request.request_id] = handle
+        self.lockstep.add(handle)
         return handle
 
     def cancel(self, handle: RequestHandle) -> None:
