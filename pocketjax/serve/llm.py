@@ -140,15 +140,19 @@ class LLM:
 
     def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None):
         """Queue one prompt on the background scheduler; returns its handle."""
-        return self.submit_many([prompt], [sampling])[0]
+        return self._running().submit(self.encode(prompt), SamplingParams() if sampling is None else sampling)
 
     def submit_many(self, prompts: Sequence[str | Sequence[int]], sampling: Sequence[SamplingParams | None]) -> list:
         """Queue prompts together (`Scheduler.submit_many`: admitted as one batch); returns their handles."""
+        jobs = [(self.encode(p), SamplingParams() if s is None else s, None) for p, s in zip(prompts, sampling)]
+        return self._running().submit_many(jobs)
+
+    def _running(self) -> Scheduler:
+        """The scheduler, its background loop started on first use."""
         if not self.started:
             self.scheduler.start()
             self.started = True
-        jobs = [(self.encode(p), SamplingParams() if s is None else s, None) for p, s in zip(prompts, sampling)]
-        return self.scheduler.submit_many(jobs)
+        return self.scheduler
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
