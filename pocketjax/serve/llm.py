@@ -140,11 +140,11 @@ class LLM:
 
     def submit(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None):
         """Queue one prompt on the background scheduler; returns its handle."""
-        return self._running().submit(self.encode(prompt), SamplingParams() if sampling is None else sampling)
+        return self._running().submit(self.encode(prompt), sampling)  # None: the scheduler's default
 
     def submit_many(self, prompts: Sequence[str | Sequence[int]], sampling: Sequence[SamplingParams | None]) -> list:
         """Queue prompts together (`Scheduler.submit_many`: admitted as one batch); returns their handles."""
-        jobs = [(self.encode(p), SamplingParams() if s is None else s, None) for p, s in zip(prompts, sampling)]
+        jobs = [(self.encode(p), s, None) for p, s in zip(prompts, sampling)]
         return self._running().submit_many(jobs)
 
     def _running(self) -> Scheduler:

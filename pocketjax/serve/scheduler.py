@@ -91,9 +91,10 @@ class Scheduler:
         queue raises CapacityError for the first job that does not fit; the jobs before it stay queued."""
         prepared = [self._prepared(prompt, sampling, request_id) for prompt, sampling, request_id in jobs]
         with self._cond:
-            handles = [self._queued(request, assigned, invalid) for request, assigned, invalid in prepared]
-            self._cond.notify_all()
-        return handles
+            try:
+                return [self._queued(request, assigned, invalid) for request, assigned, invalid in prepared]
+            finally:  # the jobs queued before a refusal are served too
+                self._cond.notify_all()
 
     def _prepared(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None,
                   request_id: Any) -> tuple[BatchedRequest, Any, PocketJaxError | None]:

@@ -226,8 +226,8 @@ inline float Job::ZeroShare(int64_t r, int64_t n) const {
 constexpr float kInt16Max = 32767.f;
 
 // x rows [R, K] f32 -> xq [R, K] int16 in the kernel's order, xs [R] and xsum [R, K / gs]: per 32-column chunk, its
-// 16 columns of the group's first half, then its 16 of the second (the nibbles' order in the chunk's bytes). A row holding a NaN or an
-// infinity gets scale NaN (its outputs are NaN) and zeros.
+// 16 columns of the group's first half, then its 16 of the second (the nibbles' order in the chunk's bytes). A row
+// holding a NaN or an infinity gets scale NaN (its outputs are NaN) and zeros.
 void Int4Rows(const float* x, int64_t R, int64_t K, int64_t gs, int16_t* xq, float* xs, float* xsum) {
   const int64_t h = gs / 2;
   for (int64_t r = 0; r < R; ++r, x += K, xq += K, xsum += K / gs) {
