@@ -262,6 +262,21 @@ def test_full_queue_raises_capacity_error(engine):
         Scheduler(engine, prefill_token_budget=0)
 
 
+def test_submit_many_queues_all_or_none(engine):
+    """A batch the queue cannot hold in full is refused whole: the jobs that fitted before the refusal are cancelled,
+    not left running for a caller that only saw the error (LLM.generate, the HTTP server's n / prompt lists)."""
+    sched = Scheduler(engine, max_waiting=3)
+    first = sched.submit([1, 2], GREEDY)
+    with pytest.raises(CapacityError, match="waiting queue is full"):
+        sched.submit_many([([3, 4], GREEDY, None), ([5, 6], GREEDY, None), ([7, 8], GREEDY, None)])
+    assert list(sched.waiting) == [first] and list(sched._live.values()) == [first]
+    both = sched.submit_many([([3, 4], GREEDY, None), ([5, 6], GREEDY, None)])  # room for two
+    assert list(sched.waiting) == [first, *both]
+    for handle in (first, *both):
+        handle.cancel()
+    assert not sched.waiting and not sched._live
+
+
 def test_invalid_request_fails_only_its_handle(model, engine):
     vocab = model.config.vocab_size
     engine.allocate_slot("taken")  # held outside the scheduler: admitting this id fails in the engine

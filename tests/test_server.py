@@ -98,6 +98,30 @@ def test_n_choices_use_derived_seeds(llm, client):
     assert streamed == alone
 
 
+def test_a_requests_prompts_and_choices_are_admitted_as_one_batch(llm, client, monkeypatch):
+    """A request's n choices (or list of prompts) reach the queue together (`LLM.submit_many`): however slowly each is
+    validated, the loop's first prefill holds all of them (submitted one at a time, the running loop prefilled the
+    first alone while the next was being validated)."""
+    sched, sizes = llm.scheduler, []
+    prepared, prefill = sched._prepared, llm.engine.batch_prefill
+
+    def slow_prepared(*args):
+        time.sleep(0.2)  # the loop, already running, would admit what was queued so far
+        return prepared(*args)
+
+    def recorded_prefill(requests, **kwargs):
+        sizes.append(len(requests))
+        return prefill(requests, **kwargs)
+
+    monkeypatch.setattr(sched, "_prepared", slow_prepared)
+    monkeypatch.setattr(llm.engine, "batch_prefill", recorded_prefill)
+    out = client.completions.create(model=NAME, prompt="class Stack:", max_tokens=4, temperature=1.0, seed=3, n=3)
+    assert len(out.choices) == 3 and sizes[0] == 3, sizes
+    sizes.clear()
+    out = client.completions.create(model=NAME, prompt=["import os", "def f(x):"], max_tokens=4, temperature=0)
+    assert len(out.choices) == 2 and sizes[0] == 2, sizes
+
+
 def test_streaming_completion_and_chat(llm, server, client):
     full = client.completions.create(model=NAME, prompt="def fib(n):", max_tokens=12, temperature=0, logprobs=1)
     chunks = list(client.completions.create(model=NAME, prompt="def fib(n):", max_tokens=12, temperature=0,
@@ -183,17 +207,18 @@ def test_dropped_clients_free_their_slots(llm, server, client):
     """A client that leaves mid-stream (or before a non-streamed answer) cancels its request: its slot comes back
     long before max_tokens would have been reached. Each engine step is slowed to 20 ms so that takes seconds."""
     sched = llm.scheduler
-    step, submit, handles = sched.step, sched.submit, []
+    step, submit_many, handles = sched.step, sched.submit_many, []
 
     def slow_step():
         time.sleep(0.02)
         return step()
 
-    def recorded_submit(*args, **kwargs):
-        handles.append(submit(*args, **kwargs))
-        return handles[-1]
+    def recorded_submit_many(*args, **kwargs):
+        queued = submit_many(*args, **kwargs)
+        handles.extend(queued)
+        return queued
 
-    sched.step, sched.submit = slow_step, recorded_submit
+    sched.step, sched.submit_many = slow_step, recorded_submit_many
     try:
         for stream in (True, False):
             body = {"model": NAME, "prompt": "def main():", "max_tokens": 100, "temperature": 0, "ignore_eos": True}
@@ -211,7 +236,7 @@ def test_dropped_clients_free_their_slots(llm, server, client):
             assert completion.finish_reason == "cancelled" and len(completion.token_ids) < 100
             assert wait_until(lambda: llm.engine.num_free_slots == SLOTS)
     finally:
-        del sched.step, sched.submit
+        del sched.step, sched.submit_many
     assert len(handles) == 2
     assert client.completions.create(model=NAME, prompt="x = ", max_tokens=2).choices[0].finish_reason == "length"
 

@@ -87,14 +87,23 @@ class Scheduler:
     def submit_many(self, jobs: Sequence[tuple[Sequence[int], SamplingParams | None, Any]]) -> list[RequestHandle]:
         """`submit` for (prompt_tokens, sampling, request_id) jobs queued together: the loop sees all of them at
         its next step, so a batch of prompts is admitted as one (as vLLM's LLM.generate adds its requests before
-        stepping) and the step shapes it runs do not depend on how fast the caller's thread queued them. A full
-        queue raises CapacityError for the first job that does not fit; the jobs before it stay queued."""
+        stepping) and the step shapes it runs do not depend on how fast the caller's thread queued them. All or
+        none: a queue too full for every job raises CapacityError with none of them queued (the ones queued before
+        the refusal are cancelled under the lock, before the loop can admit them), so a caller that gets the error
+        has nothing left running unseen."""
         prepared = [self._prepared(prompt, sampling, request_id) for prompt, sampling, request_id in jobs]
         with self._cond:
+            handles: list[RequestHandle] = []
             try:
-                return [self._queued(request, assigned, invalid) for request, assigned, invalid in prepared]
-            finally:  # the jobs queued before a refusal are served too
-                self._cond.notify_all()
+                for request, assigned, invalid in prepared:
+                    handles.append(self._queued(request, assigned, invalid))
+            except BaseException:
+                for handle in handles:
+                    if not handle.done():
+                        self.lockstep.cancel(handle)
+                raise
+            self._cond.notify_all()
+            return handles
 
     def _prepared(self, prompt_tokens: Sequence[int], sampling: SamplingParams | None,
                   request_id: Any) -> tuple[BatchedRequest, Any, PocketJaxError | None]:

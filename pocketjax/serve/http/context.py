@@ -140,10 +140,9 @@ def submit_all(llm: LLM, jobs: Sequence[tuple[list[int], Any]], param: str | Non
                             f"queues at once (--max-waiting {limit}): it can never be accepted; send at most "
                             f"{limit} per request", param=param, code="exceeds_max_waiting")
     handles: list[RequestHandle] = []
-    try:
-        for prompt, sampling in jobs:
-            handle = llm.submit(prompt, sampling)
-            handles.append(handle)
+    try:  # queued together (`LLM.submit_many`): the loop admits a request's choices or prompts as one batch
+        handles = llm.submit_many([prompt for prompt, _ in jobs], [sampling for _, sampling in jobs])
+        for handle in handles:
             if handle.done():  # the scheduler fails an invalid request's handle at submit
                 handle.result(timeout=0)
     except BaseException as error:
