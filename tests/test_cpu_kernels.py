@@ -62,7 +62,7 @@ def test_each_row_of_the_product_is_the_same_bits_at_any_row_count(isa, w_dtype)
     x = jnp.asarray(rng.standard_normal((70, 333)), jnp.float32)
     product = jax.jit(lambda x: cpu_kernels.skinny_matmul(x, w, isa))
     full = np.asarray(product(x))
-    for start, rows in [(0, 1), (5, 1), (3, 2), (10, 7), (1, 9), (0, 17), (20, 50)]:
+    for start, rows in [(0, 1), (5, 1), (3, 2), (10, 7), (30, 5), (40, 6), (50, 8), (1, 9), (0, 17), (20, 50)]:
         assert np.array_equal(np.asarray(product(x[start:start + rows])), full[start:start + rows]), (start, rows)
 
 
@@ -88,6 +88,7 @@ def test_int8_kernel_is_the_float_kernel_on_the_dequantized_weight_bit_for_bit(i
     dense = jax.jit(lambda x, w: cpu_kernels.skinny_matmul(x, quant.dequantize(w), isa))
     for rows, n, k, group, symmetric, bits in [
             (1, 48, 64, 64, True, 8), (3, 33, 40, 40, True, 8), (8, 80, 512, 512, True, 8),
+            (6, 37, 768, 384, False, 8), (7, 21, 256, 64, False, 8), (5, 9, 1024, 1024, True, 8),
             (13, 150, 192, 192, False, 8), (70, 40, 64, 64, False, 8)]:
         w = quantized_weight(rng, n, k, group, symmetric, bits)
         x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
