@@ -4,6 +4,7 @@ official Qwen3 template writes for a past call, and transformers' rendering (tes
 import json
 import random
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -146,6 +147,13 @@ def test_max_calls_drops_the_blocks_after_it():
 def test_malformed_tools_are_400_naming_tools(tools, choice, message):
     with pytest.raises(APIError, match=re.escape(message)) as raised:
         tool_request(tools, choice, None)
+    assert raised.value.status == 400 and raised.value.param == "tools"
+
+
+def test_tools_without_llguidance_are_400_saying_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` raises ImportError
+    with pytest.raises(APIError, match=r"pip install 'llguidance") as raised:
+        tool_request(TOOLS, "auto", None)
     assert raised.value.status == 400 and raised.value.param == "tools"
 
 

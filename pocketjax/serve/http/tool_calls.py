@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...engine.structured import llguidance_module
+from ...errors import StructuredOutputError
 from .api_error import APIError
 from .tool_call_parser import END, START, Event, ToolCall, ToolCallParser, parse_tool_calls
 
@@ -226,12 +228,12 @@ def legacy_tool_request(functions: Any, function_call: Any) -> ToolRequest:
 
 
 def schema_error(schema: dict[str, Any]) -> str:
-    """Why llguidance cannot compile `schema` (what the grammar of a call embeds), or "" when it can."""
-    from llguidance import LLMatcher
-
+    """Why llguidance cannot compile `schema` (what the grammar of a call embeds), or "" when it can; on a machine
+    without llguidance, what to install (the 400 a constrained request gets there too), never an ImportError."""
     try:
-        return LLMatcher.validate_grammar(LLMatcher.grammar_from_json_schema(schema))
-    except (ValueError, TypeError) as error:
+        matcher = llguidance_module().LLMatcher
+        return matcher.validate_grammar(matcher.grammar_from_json_schema(schema))
+    except (ValueError, TypeError, StructuredOutputError) as error:
         return str(error)
 
 
