@@ -260,3 +260,27 @@ def test_bench_streams_quick_run_times_both_row_orders_on_the_same_bits(tmp_path
     (record,) = json.loads(out.read_text())["records"]  # one fresh engine process per order
     assert (record["quantize"], record["concurrency"]) == ("int8+head", 2)
     assert all(len(record["runs"][order]) == 1 and record["runs"][order][0] > 0 for order in ("adjacent", "streams"))
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="kernel_ab times versions of the native kernel")
+def test_kernel_ab_times_each_version_in_one_process_on_its_own_kernel(tmp_path, capsys):
+    """kernel_ab compiles a kernel version beside this tree's and runs each round's programs back to back: the
+    tree's own source gives its bits and a record per weight form and row count; a version whose sums differ (its
+    float32 outputs doubled) is refused unless --bits-may-differ, which shows each program calls its own kernel."""
+    from benchmarks import kernel_ab
+
+    out = tmp_path / "ab.json"
+    kernel_ab.main(["--quick", "--variant", str(cpu_kernels.SOURCES[0]), "--json", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["weights"], r["rows"]) for r in records] == [("float32", 1), ("float32", 3), ("int8", 1), ("int8", 3)]
+    name = str(cpu_kernels.SOURCES[0])
+    assert all(len(r["times_s"][name]) == 3 and r["ms"]["tree"] > 0 and r["speedup"][name] > 0 for r in records)
+    assert capsys.readouterr().out.rstrip().splitlines()[-1].startswith("| qwen3-tiny | int8 | 3 |")
+    source = cpu_kernels.SOURCES[0].read_text()
+    store = "static_cast<float*>(y)[r * N + n] = v;"
+    assert store in source
+    doubled = tmp_path / "doubled.cc"
+    doubled.write_text(source.replace(store, "static_cast<float*>(y)[r * N + n] = 2.0f * v;"))
+    with pytest.raises(RuntimeError, match="other bits"):
+        kernel_ab.main(["--quick", "--weights", "float32", "--rows", "1", "--variant", str(doubled)])
+    kernel_ab.main(["--quick", "--weights", "float32", "--rows", "1", "--variant", str(doubled), "--bits-may-differ"])
