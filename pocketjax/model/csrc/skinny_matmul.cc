@@ -430,12 +430,27 @@ PJ_AVX2 void DequantRowsAvx2(const Job& j, int64_t n0, int64_t n1, float* out) {
     }
 }
 
+// NB weight rows per block: 4 at 1-2 x rows, else 2 (NB * R accumulators + NB weights, scales, zeros + 1 x; at 5-6
+// rows a few spill, and still 1.2-1.3x one weight row per block). 7-8 rows would spill more (NB 2: 0.88x): the block
+// runs rows 0-3, then the rest against its weight rows again, now in L1 (1.04-1.06x one row per block;
+// benchmarks/kernel_ab.py, benchmarks/README.md "int8 at 5-8 rows"). Each output's operations are the same.
 template <bool Zero, int R>
 PJ_AVX2 void RowsQuantAvx2(const Job& j, int64_t n0, int64_t n1) {
-  constexpr int NB = R <= 2 ? 4 : (R <= 4 ? 2 : 1);  // NB * R accumulators + NB weights, scales, zeros + 1 x
+  constexpr int NB = R <= 2 ? 4 : 2;
+  constexpr int R1 = R <= 6 ? R : 4, R2 = R > R1 ? R - R1 : 1;
+  Job rest = j;  // x rows R1.. and their outputs
+  rest.x = j.x + R1 * j.K;
+  rest.y = static_cast<char*>(j.y) + R1 * j.N * (j.y_bf16 ? 2 : 4);
+  rest.R = R2;
   const Blocks b = BlocksOf<NB>(j, n0, n1);
-  for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) BlockQuantAvx2<Zero, R, NB>(j, n, b.apart);
-  for (int64_t n = b.tail; n < n1; ++n) BlockQuantAvx2<Zero, R, 1>(j, n, 1);
+  for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) {
+    BlockQuantAvx2<Zero, R1, NB>(j, n, b.apart);
+    if (R > R1) BlockQuantAvx2<Zero, R2, NB>(rest, n, b.apart);
+  }
+  for (int64_t n = b.tail; n < n1; ++n) {
+    BlockQuantAvx2<Zero, R1, 1>(j, n, 1);
+    if (R > R1) BlockQuantAvx2<Zero, R2, 1>(rest, n, 1);
+  }
 }
 
 PJ_AVX2 inline float FmaAvx2(float a, float b, float c) {
