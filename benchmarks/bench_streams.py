@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -72,6 +73,28 @@ def random_weight(rng: np.random.Generator, out: int, cols: int, form: str):
             leaves[name] = rng.integers(-127, 128, shape, np.int8)
     leaves = {name: jnp.asarray(leaf) for name, leaf in leaves.items()}
     return quant.QuantizedWeight(bits=bits, **leaves)
+
+
+def step_cases(model: str, weights: str, rows: str) -> Iterator[tuple[str, list, int, jax.Array]]:
+    """(form, the step's weights, rows, x) for each weight form and row count asked (SystemExit for a model without
+    preset shapes, an unknown form, or no native kernels): one decode step's weights, random and distinct, and x as
+    wide as the widest input, in the form's float dtype."""
+    if model not in PRESETS:
+        raise SystemExit(f"--model: one of {sorted(PRESETS)} (the shapes are a preset's)")
+    forms = weights.split(",")
+    if not set(forms) <= set(WEIGHTS):
+        raise SystemExit(f"--weights: a comma-separated subset of {WEIGHTS}, got {weights!r}")
+    if not cpu_kernels.available():
+        raise SystemExit("the native CPU kernels are not available in this process (see the log)")
+    shapes = step_shapes(PRESETS[model])
+    widest = max(cols for _, cols in shapes)
+    rng = np.random.default_rng(0)
+    for form in forms:
+        step = [random_weight(rng, out, cols, form) for out, cols in shapes]
+        for count in parse_ints(rows):
+            x = jnp.asarray(rng.standard_normal((count, widest), np.float32),
+                            "bfloat16" if form == "bfloat16" else "float32")
+            yield form, step, count, x
 
 
 def step_products(weights: list, streams: bool):
@@ -164,26 +187,9 @@ def main(argv: list[str] | None = None) -> None:
             [args["model"], r["quantize"], r["concurrency"], f"{r['adjacent_ms']:.2f}", f"{r['streams_ms']:.2f}",
              f"{r['speedup']:.3f}x"] for r in records)))
         return
-    if args["model"] not in PRESETS:
-        raise SystemExit(f"--model: one of {sorted(PRESETS)} (the shapes are a preset's)")
-    forms = args["weights"].split(",")
-    if not set(forms) <= set(WEIGHTS):
-        raise SystemExit(f"--weights: a comma-separated subset of {WEIGHTS}, got {args['weights']!r}")
-    if not cpu_kernels.available():
-        raise SystemExit("the native CPU kernels are not available in this process (see the log)")
-    shapes = step_shapes(PRESETS[args["model"]])
-    widest = max(cols for _, cols in shapes)
-    rng = np.random.default_rng(0)
-    records = []
-    for form in forms:
-        weights = [random_weight(rng, out, cols, form) for out, cols in shapes]
-        mib = sum(w.nbytes for w in weights) / 2**20
-        for rows in parse_ints(args["rows"]):
-            x = jnp.asarray(rng.standard_normal((rows, widest), np.float32), "bfloat16" if form == "bfloat16" else
-                            "float32")
-            records.append({"weights": form, "rows": rows, "products": len(shapes), "weight_mib": mib,
-                            **compare(weights, x, args["repeats"])})
-        del weights
+    records = [{"weights": form, "rows": rows, "products": len(weights),
+                "weight_mib": sum(w.nbytes for w in weights) / 2**20, **compare(weights, x, args["repeats"])}
+               for form, weights, rows, x in step_cases(args["model"], args["weights"], args["rows"])]
     write_json(args["json"], {"settings": args, "machine": machine("cpu", "usable_cores", "jax", "loadavg"),
                               "records": records})
     print(markdown_table(["model", "weights", "rows", "MiB read", "adjacent ms", "streams ms", "streams speedup"], (

@@ -19,6 +19,7 @@ import argparse
 import ctypes
 import functools
 import hashlib
+import itertools
 import re
 import statistics
 import subprocess
@@ -29,14 +30,12 @@ from pathlib import Path
 from unittest import mock
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere: pocketjax + siblings
 
-from benchmarks.bench_streams import WEIGHTS, random_weight, step_products, step_shapes  # noqa: E402
-from benchmarks.common import add_options, add_quick, machine, markdown_table, parse, parse_ints, write_json  # noqa: E402
-from benchmarks.presets import PRESETS  # noqa: E402
+from benchmarks.bench_streams import step_cases, step_products  # noqa: E402
+from benchmarks.common import add_options, add_quick, machine, markdown_table, parse, write_json  # noqa: E402
 from pocketjax.model import cpu_kernels  # noqa: E402
 
 QUICK = dict(model="qwen3-tiny", weights="float32,int8", rows="1,3", rounds=3)
@@ -116,27 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(add_quick(p, QUICK), argv, QUICK)
     if not args["variant"]:
         raise SystemExit("--variant: at least one kernel version to time against this tree's")
-    if args["model"] not in PRESETS:
-        raise SystemExit(f"--model: one of {sorted(PRESETS)} (the shapes are a preset's)")
-    forms = args["weights"].split(",")
-    if not set(forms) <= set(WEIGHTS):
-        raise SystemExit(f"--weights: a comma-separated subset of {WEIGHTS}, got {args['weights']!r}")
-    if not cpu_kernels.available():
-        raise SystemExit("the native CPU kernels are not available in this process (see the log)")
+    cases = step_cases(args["model"], args["weights"], args["rows"])
+    form, weights, rows, x = next(cases)  # the arguments checked before any version is compiled
     versions = {"tree": {"TARGET": cpu_kernels.TARGET, "QUANTIZED_TARGET": cpu_kernels.QUANTIZED_TARGET}}
     versions.update({spec: register(version_source(spec)) for spec in args["variant"]})
-    shapes = step_shapes(PRESETS[args["model"]])
-    widest = max(cols for _, cols in shapes)
-    rng = np.random.default_rng(0)
-    records = []
-    for form in forms:
-        weights = [random_weight(rng, out, cols, form) for out, cols in shapes]
-        for rows in parse_ints(args["rows"]):
-            x = jnp.asarray(rng.standard_normal((rows, widest), np.float32),
-                            "bfloat16" if form == "bfloat16" else "float32")
-            records.append({"weights": form, "rows": rows, "products": len(shapes),
-                            **compare(versions, weights, x, args["rounds"], not args["bits_may_differ"])})
-        del weights
+    records = [{"weights": form, "rows": rows, "products": len(weights),
+                **compare(versions, weights, x, args["rounds"], not args["bits_may_differ"])}
+               for form, weights, rows, x in itertools.chain([(form, weights, rows, x)], cases)]
     write_json(args["json"], {"settings": args, "machine": machine("cpu", "usable_cores", "jax", "loadavg"),
                               "records": records})
     names = list(versions)
