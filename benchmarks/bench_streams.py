@@ -76,9 +76,9 @@ def random_weight(rng: np.random.Generator, out: int, cols: int, form: str):
 
 
 def step_cases(model: str, weights: str, rows: str) -> Iterator[tuple[str, list, int, jax.Array]]:
-    """(form, the step's weights, rows, x) for each weight form and row count asked (SystemExit for a model without
-    preset shapes, an unknown form, or no native kernels): one decode step's weights, random and distinct, and x as
-    wide as the widest input, in the form's float dtype."""
+    """(form, the step's weights, rows, x) for each weight form and row count asked, made as they are iterated: one
+    decode step's weights, random and distinct, and x as wide as the widest input, in the form's float dtype.
+    SystemExit here, before any is made, for a model without preset shapes, an unknown form or no native kernels."""
     if model not in PRESETS:
         raise SystemExit(f"--model: one of {sorted(PRESETS)} (the shapes are a preset's)")
     forms = weights.split(",")
@@ -86,12 +86,16 @@ def step_cases(model: str, weights: str, rows: str) -> Iterator[tuple[str, list,
         raise SystemExit(f"--weights: a comma-separated subset of {WEIGHTS}, got {weights!r}")
     if not cpu_kernels.available():
         raise SystemExit("the native CPU kernels are not available in this process (see the log)")
-    shapes = step_shapes(PRESETS[model])
+    return step_inputs(step_shapes(PRESETS[model]), forms, parse_ints(rows))
+
+
+def step_inputs(shapes: list[tuple[int, int]], forms: list[str], rows: list[int]) -> Iterator[tuple]:
+    """`step_cases`' inputs, one weight form's step in memory at a time."""
     widest = max(cols for _, cols in shapes)
     rng = np.random.default_rng(0)
     for form in forms:
         step = [random_weight(rng, out, cols, form) for out, cols in shapes]
-        for count in parse_ints(rows):
+        for count in rows:
             x = jnp.asarray(rng.standard_normal((count, widest), np.float32),
                             "bfloat16" if form == "bfloat16" else "float32")
             yield form, step, count, x

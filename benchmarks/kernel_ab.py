@@ -19,7 +19,6 @@ import argparse
 import ctypes
 import functools
 import hashlib
-import itertools
 import re
 import statistics
 import subprocess
@@ -115,13 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(add_quick(p, QUICK), argv, QUICK)
     if not args["variant"]:
         raise SystemExit("--variant: at least one kernel version to time against this tree's")
-    cases = step_cases(args["model"], args["weights"], args["rows"])
-    form, weights, rows, x = next(cases)  # the arguments checked before any version is compiled
+    cases = step_cases(args["model"], args["weights"], args["rows"])  # checks the arguments before any compile
     versions = {"tree": {"TARGET": cpu_kernels.TARGET, "QUANTIZED_TARGET": cpu_kernels.QUANTIZED_TARGET}}
     versions.update({spec: register(version_source(spec)) for spec in args["variant"]})
     records = [{"weights": form, "rows": rows, "products": len(weights),
                 **compare(versions, weights, x, args["rounds"], not args["bits_may_differ"])}
-               for form, weights, rows, x in itertools.chain([(form, weights, rows, x)], cases)]
+               for form, weights, rows, x in cases]
     write_json(args["json"], {"settings": args, "machine": machine("cpu", "usable_cores", "jax", "loadavg"),
                               "records": records})
     names = list(versions)
