@@ -3,6 +3,8 @@ float64 product of the same values in every code path this CPU has, and row-coun
 against the XLA reference for every cache form, and invariant to the batch, the chunk and the cache length; their use
 in `layers.linear` and the engine (single-device programs only); the build: fallback without a compiler, the cache,
 its build key, an unwritable cache."""
+import ctypes
+import ctypes.util
 import dataclasses
 import logging
 import os
@@ -318,6 +320,52 @@ def test_attention_of_a_query_is_the_same_bits_whatever_shares_the_call(cache_fo
         cut = tuple(a[:, :, :position + 1] for a in cache)
         shorter = native(q[row:row + 1, i:i + 1], cut, slots[row:row + 1], jnp.array([position]), jnp.array([1]))
         assert np.array_equal(np.asarray(shorter)[0, 0], chunk[row, i]), (row, i)
+
+
+def attention_model(q, k, v, slots, starts, lengths, sm_scale) -> np.ndarray:
+    """numpy's model of csrc/attention.cc's steps for a float32 query and cache, one float32 operation at a time
+    (numpy rounds each, as the kernel built without contraction does): per query row its scores over keys 0..pos,
+    each a head-dim dot in 8 lanes then the kernel's tree, times sm_scale; the max; libm's expf of each score less
+    it and their sum in key order; P @ V summed in key order per output element; divided by the sum."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
+    q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
+    batch, queries, heads, dim = q.shape
+    group, scale, lanes = heads // k.shape[1], np.float32(sm_scale), dim // 8 * 8
+    out = np.zeros_like(q)
+    for b, i, h in np.ndindex(batch, queries, heads):
+        if i >= lengths[b]:
+            continue
+        keys, values = k[slots[b], h // group], v[slots[b], h // group]
+        n = min(int(starts[b]) + i + 1, keys.shape[0])
+        scores = np.zeros(n, np.float32)
+        for t in range(n):
+            acc = np.zeros(8, np.float32)
+            for j in range(0, lanes, 8):
+                acc = acc + q[b, i, h, j:j + 8] * keys[t, j:j + 8]
+            dot = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+            for j in range(lanes, dim):
+                dot = dot + q[b, i, h, j] * keys[t, j]
+            scores[t] = dot * scale
+        exps = np.array([libm.expf(float(s - scores.max())) for s in scores], np.float32)
+        total, weighted = np.float32(0), np.zeros(dim, np.float32)
+        for t in range(n):
+            total = total + exps[t]
+            weighted = weighted + exps[t] * values[t]
+        out[b, i, h] = weighted / total
+    return out
+
+
+@pytest.mark.parametrize("group,head_dim,starts,lengths", [(2, 64, [5, 0, 60], [10, 7, 4]), (1, 64, [3, 9, 1], [1, 1, 1]),
+                                                          (3, 24, [5, 0, 60], [10, 7, 4]), (2, 40, [70, 2, 11], [1, 1, 1])])
+def test_attention_is_its_numpy_model_bit_for_bit(group, head_dim, starts, lengths):
+    """The kernel's summation order, pinned: bitwise its numpy model at prefill and decode rows, heads sharing a kv
+    head or not, a head dim the register-blocked P @ V takes (64) and one it does not (24, 40): any reordering of a
+    dot, the softmax sum or P @ V (or a contraction into FMAs) shows here, where the reference test allows it."""
+    q, (k, v) = attention_inputs("float32", jnp.float32, seed=3, group=group, head_dim=head_dim)
+    slots, starts, lengths = jnp.array([2, 0, 3]), jnp.array(starts), jnp.array(lengths)
+    got = np.asarray(native(q, (k, v), slots, starts, lengths))
+    np.testing.assert_array_equal(got, attention_model(q, k, v, slots, starts, lengths, 0.3))
 
 
 def test_attention_is_differentiable_through_the_reference():
