@@ -26,6 +26,7 @@ HELP = {
     "repeats": "timed runs per figure",
     "cache_dir": "where presets are built",
     "json": "write the results here",
+    "keys": "cached positions each decode row attends to (kernel_ab --weights attention)",
 }
 
 

@@ -266,7 +266,8 @@ def test_bench_streams_quick_run_times_both_row_orders_on_the_same_bits(tmp_path
 def test_kernel_ab_times_each_version_in_one_process_on_its_own_kernel(tmp_path, capsys):
     """kernel_ab compiles a kernel version beside this tree's and runs each round's programs back to back: the
     tree's own source gives its bits and a record per weight form and row count; a version whose sums differ (its
-    float32 outputs doubled) is refused unless --bits-may-differ, which shows each program calls its own kernel."""
+    float32 outputs doubled) is refused unless --bits-may-differ, which shows each program calls its own kernel; the
+    same for the attention kernel (`--weights attention`, a file named attention.cc)."""
     from benchmarks import kernel_ab
 
     out = tmp_path / "ab.json"
@@ -284,3 +285,14 @@ def test_kernel_ab_times_each_version_in_one_process_on_its_own_kernel(tmp_path,
     with pytest.raises(RuntimeError, match="other bits"):
         kernel_ab.main(["--quick", "--weights", "float32", "--rows", "1", "--variant", str(doubled)])
     kernel_ab.main(["--quick", "--weights", "float32", "--rows", "1", "--variant", str(doubled), "--bits-may-differ"])
+    attention = cpu_kernels.SOURCES[1].read_text()  # --weights attention: a variant of attention.cc alone
+    store = "static_cast<float*>(p.out)[dst + j] = o;"
+    assert store in attention
+    broken = tmp_path / "attention.cc"
+    broken.write_text(attention.replace(store, "static_cast<float*>(p.out)[dst + j] = 2.0f * o;"))
+    kernel_ab.main(["--quick", "--weights", "attention", "--keys", "9", "--variant", str(cpu_kernels.SOURCES[1]),
+                    "--json", str(out)])
+    records = json.loads(out.read_text())["records"]
+    assert [(r["weights"], r["rows"], r["calls"]) for r in records] == [("attention", 1, 4), ("attention", 3, 4)]
+    with pytest.raises(RuntimeError, match="other bits"):
+        kernel_ab.main(["--quick", "--weights", "attention", "--rows", "1", "--variant", str(broken)])

@@ -14,10 +14,10 @@
 // columns; P is rounded to the compute dtype before P @ V (bf16) as the reference casts it. The code has no ISA
 // specific arithmetic and is built with -ffp-contract=off: a vectorizing compiler keeps each element's operations
 // as written, so every x86/ARM build gives the same bits. On x86 the same source is also compiled for AVX2 (`Unit`,
-// chosen at run time): 8-lane vectors for the baseline's 4, the same operations in the same order, the same bits;
-// 4 keys' dots run side by side (4 independent chains of adds instead of one) and a float32 cache is read in place.
-// 28 layers of decode attention at 8 rows x 161 keys (Qwen3-0.6B's heads, 2 Zen 3 cores): 18.3 ms before, see
-// benchmarks/README.md "Decode attention" for after.
+// chosen at run time: 8-lane vectors for the baseline's 4, the same operations in the same order, the same bits),
+// and a float32 cache is read in place: 28 layers of Qwen3-0.6B's decode attention over 161 cold keys per row 1.39x
+// / 1.25x faster at 1 / 8 rows (benchmarks/kernel_ab.py --weights attention; benchmarks/README.md "Decode
+// attention").
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -111,37 +111,15 @@ struct CacheReader {
   }
 };
 
-constexpr int kKeys = 4;  // keys whose dots with a query row run side by side
-
-// The head-dim dots of a with kKeys rows b[x], each in kLanes partial sums (lane l: elements l, l + 8, ...), then a
-// fixed tree, then the tail: every dot the same operations in the same order, whichever keys share the call.
-PJ_INLINE void Dots(const float* a, const float* const* b, int64_t d, float* out) {
-  float acc[kKeys][kLanes] = {};
+// The head-dim dot in kLanes partial sums (lane l: elements l, l + 8, ...), then a fixed tree, then the tail.
+PJ_INLINE float Dot(const float* a, const float* b, int64_t d) {
+  float acc[kLanes] = {};
   const int64_t dv = d / kLanes * kLanes;
   for (int64_t j = 0; j < dv; j += kLanes)
-    for (int x = 0; x < kKeys; ++x)
-      for (int l = 0; l < kLanes; ++l) acc[x][l] += a[j + l] * b[x][j + l];
-  for (int x = 0; x < kKeys; ++x) {
-    const float* c = acc[x];
-    float s = ((c[0] + c[4]) + (c[2] + c[6])) + ((c[1] + c[5]) + (c[3] + c[7]));
-    for (int64_t j = dv; j < d; ++j) s += a[j] * b[x][j];
-    out[x] = s;
-  }
-}
-
-constexpr int kPvCols = 32;  // output columns of two rows kept in registers over all keys (8 vectors of AVX2)
-
-// Columns [at % D, + kPvCols) of two rows' P @ V over keys 0..n-1 (values from `at`, a row every `stride`), each
-// element summed in key order from 0 as the key-by-key loop did; written to o0, o1.
-PJ_INLINE void PvBlock(const CacheReader& v, int64_t at, int64_t stride, int64_t n, const float* w0,
-                       const float* w1, float* scratch, float* o0, float* o1) {
-  float a0[kPvCols] = {}, a1[kPvCols] = {};
-  for (int64_t t = 0; t < n; ++t) {
-    const float* value = v.Row(at + t * stride, kPvCols, scratch);
-    for (int j = 0; j < kPvCols; ++j) a0[j] += w0[t] * value[j];
-    for (int j = 0; j < kPvCols; ++j) a1[j] += w1[t] * value[j];
-  }
-  for (int j = 0; j < kPvCols; ++j) o0[j] = a0[j], o1[j] = a1[j];
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[j + l] * b[j + l];
+  float s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+  for (int64_t j = dv; j < d; ++j) s += a[j] * b[j];
+  return s;
 }
 
 struct Problem {
@@ -165,7 +143,7 @@ PJ_INLINE void UnitBody(const Problem& p, int64_t b, int64_t hk, int64_t i0, int
   qf.resize(rows * D);
   acc.assign(rows * D, 0.0f);
   denom.assign(rows, 0.0f);
-  kv_row.resize(kKeys * D);
+  kv_row.resize(D);
   // Each query row's visible keys: 0..pos, clipped to the cache; none for padding rows.
   int64_t n_max = 0;
   visible.resize(i1 - i0);
@@ -186,21 +164,14 @@ PJ_INLINE void UnitBody(const Problem& p, int64_t b, int64_t hk, int64_t i0, int
     }
   scores.resize(rows * (n_max > 0 ? n_max : 1));
   const int64_t cache_row = (slot * p.Hkv + hk) * p.T;
-  for (int64_t t = 0; t < n_max; t += kKeys) {  // scores, kKeys keys at a time (each read once for every query row)
-    const int64_t nk = n_max - t < kKeys ? n_max - t : kKeys;
-    const float* keys[kKeys];
-    for (int x = 0; x < kKeys; ++x)  // (past n_max: key t again, its dot unused)
-      keys[x] = p.k.Row((cache_row + t + (x < nk ? x : 0)) * D, D, &kv_row[x * D]);
+  for (int64_t t = 0; t < n_max; ++t) {  // scores, key by key (the key is read once for every query row)
+    const float* key = p.k.Row((cache_row + t) * D, D, kv_row.data());
+    const float ks = p.k_scale ? p.k_scale[cache_row + t] : 1.0f;
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t n = visible[r / G];
-      if (t >= n) continue;
-      float dots[kKeys];
-      Dots(&qf[r * D], keys, D, dots);
-      for (int64_t x = 0; x < nk && t + x < n; ++x) {
-        float s = dots[x] * p.sm_scale;
-        if (p.k_scale) s = s * p.k_scale[cache_row + t + x];
-        scores[r * n_max + t + x] = s;
-      }
+      if (t >= visible[r / G]) continue;
+      float s = Dot(&qf[r * D], key, D) * p.sm_scale;
+      if (p.k_scale) s = s * ks;
+      scores[r * n_max + t] = s;
     }
   }
   for (int64_t r = 0; r < rows; ++r) {  // softmax in key order: the max is exact in any order, the sum is not
@@ -216,31 +187,17 @@ PJ_INLINE void UnitBody(const Problem& p, int64_t b, int64_t hk, int64_t i0, int
     }
     denom[r] = sum;
   }
-  for (int64_t r = 0; r < rows; ++r) {  // P as P @ V multiplies it: times the value scales, rounded to bf16
-    float* w = &scores[r * n_max];
-    for (int64_t t = 0; t < visible[r / G]; ++t) {
-      if (p.v_scale) w[t] = w[t] * p.v_scale[cache_row + t];
-      if (p.compute_bf16) w[t] = RoundBf16(w[t]);
+  for (int64_t t = 0; t < n_max; ++t) {  // P @ V, key by key: each output element sums in key order
+    const float* value = p.v.Row((cache_row + t) * D, D, kv_row.data());
+    const float vs = p.v_scale ? p.v_scale[cache_row + t] : 1.0f;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (t >= visible[r / G]) continue;
+      float w = scores[r * n_max + t];
+      if (p.v_scale) w = w * vs;
+      if (p.compute_bf16) w = RoundBf16(w);
+      float* o = &acc[r * D];
+      for (int64_t j = 0; j < D; ++j) o[j] += w * value[j];
     }
-  }
-  // P @ V: each output element sums its keys in order. Two rows that see the same keys take kPvCols columns at a
-  // time over all keys, their sums in registers (key by key, every row's sums went back to memory per key).
-  for (int64_t r = 0; r < rows;) {
-    const int64_t n = visible[r / G];
-    if (r + 1 < rows && visible[(r + 1) / G] == n && D % kPvCols == 0) {
-      for (int64_t j0 = 0; j0 < D; j0 += kPvCols)
-        PvBlock(p.v, cache_row * D + j0, D, n, &scores[r * n_max], &scores[(r + 1) * n_max], kv_row.data(),
-                &acc[r * D + j0], &acc[(r + 1) * D + j0]);
-      r += 2;
-      continue;
-    }
-    const float* w = &scores[r * n_max];
-    float* o = &acc[r * D];
-    for (int64_t t = 0; t < n; ++t) {
-      const float* value = p.v.Row((cache_row + t) * D, D, kv_row.data());
-      for (int64_t j = 0; j < D; ++j) o[j] += w[t] * value[j];
-    }
-    ++r;
   }
   for (int64_t i = i0; i < i1; ++i)
     for (int64_t g = 0; g < G; ++g) {
@@ -265,7 +222,7 @@ __attribute__((target("avx2"))) void UnitAvx2(const Problem& p, int64_t b, int64
 
 using UnitFn = void (*)(const Problem&, int64_t, int64_t, int64_t, int64_t);
 
-// The same bits either way (no FMA contraction, the same operations per element): AVX2 where the CPU has it.
+// The same bits either way (no contraction, the same operations per element): AVX2 where the CPU has it.
 UnitFn Unit() {
 #if PJ_ATTN_AVX2
   static const UnitFn chosen = __builtin_cpu_supports("avx2") ? UnitAvx2 : UnitBase;
