@@ -247,14 +247,18 @@ def test_headers_past_the_limit_are_refused(stack):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_half_closed_client_is_answered(stack, stream):
     """A whole request, then shutdown(SHUT_WR) (curl and some proxies do it): the answer still comes (after an
-    interim 102), the same as the request gets on an open connection, and then the server closes."""
+    interim 102, unless a stream's answer had already started), the same as the request gets on an open
+    connection, and then the server closes."""
     body = {"model": NAME, "prompt": "def add(a, b):", "max_tokens": 6, "temperature": 0, "stream": stream}
     request = post_bytes("/v1/completions", body)
     closing = request.replace(b"Host: x", b"Host: x\r\nConnection: close", 1)  # the same on an open socket
     half, whole = raw(stack, request, half_close=True), raw(stack, closing)
     interim = b"HTTP/1.1 102 Processing\r\n\r\n"  # the probe that tells a half-close from a hang-up (RFC 9110 1xx)
-    assert half.startswith(interim + b"HTTP/1.1 200")
-    half = half[len(interim):]
+    # a stream whose headers left before the server read the EOF probes with its own next chunk instead (a race
+    # the client's timing decides: CI saw it once on a busy box)
+    started = stream and half.startswith(b"HTTP/1.1 200")
+    assert started or half.startswith(interim + b"HTTP/1.1 200")
+    half = half if started else half[len(interim):]
 
     def text(answer: bytes) -> str:
         payload = answer.split(b"\r\n\r\n", 1)[1]
