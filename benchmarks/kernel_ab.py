@@ -29,8 +29,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from unittest import mock
 
 import jax
@@ -59,7 +59,7 @@ def version_sources(spec: str) -> tuple[str, ...]:
         return tuple(subprocess.run(["git", "-C", str(REPO), "show", f"{spec[4:]}:{path.relative_to(REPO)}"],
                                     capture_output=True, text=True, check=True).stdout
                      for path in cpu_kernels.SOURCES)
-    mine = "attention.cc" if Path(spec).name == "attention.cc" else "skinny_matmul.cc"
+    mine = Path(spec).name if Path(spec).name in HANDLERS else "skinny_matmul.cc"
     return tuple(Path(spec).read_text() if path.name == mine else path.read_text() for path in cpu_kernels.SOURCES)
 
 
