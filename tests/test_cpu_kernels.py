@@ -68,11 +68,16 @@ def test_each_row_of_the_product_is_the_same_bits_at_any_row_count(isa, w_dtype)
         assert np.array_equal(np.asarray(product(x[start:start + rows])), full[start:start + rows]), (start, rows)
 
 
-QUANT_ISAS = sorted({cpu_kernels.resolved_isa_name(jnp.float32, jnp.float32, isa) for isa in ("portable", "avx2")}
-                   if cpu_kernels.available() else [])
+QUANT_ISAS = sorted({cpu_kernels.resolved_isa_name(jnp.float32, jnp.float32, isa)
+                    for isa in ("portable", "avx2", "avx512")} if cpu_kernels.available() else [])
 
 
 def quantized_weight(rng, n, k, group, symmetric=False, bits=4):
+    if bits == 8 and group != k:  # grouped int8 (prequantized checkpoints): quant.quantize makes per-channel only
+        values = rng.integers(-127, 128, (n, k), np.int8)
+        scale = (rng.random((n, k // group), np.float32) * np.float32(0.02)).astype(np.float32)
+        zero = None if symmetric else rng.integers(-8, 9, (n, k // group), np.int8)
+        return jax.tree.map(jnp.asarray, quant.QuantizedWeight(values=values, scale=scale, zero=zero, bits=8))
     w = rng.standard_normal((n, k)).astype(np.float32)
     w[0, :group] = np.abs(w[0, :group]) + 2.0  # an int4 group that does not hold 0 (zero outside 0..15)
     qw = quant.quantize(w, bits, group if bits == 4 else None)
@@ -84,14 +89,16 @@ def quantized_weight(rng, n, k, group, symmetric=False, bits=4):
 def test_int8_kernel_is_the_float_kernel_on_the_dequantized_weight_bit_for_bit(isa, x_dtype):
     """The int8 product dequantizes in registers exactly as quant.dequantize does in memory, then sums exactly as the
     float32 kernel: the same bits at 1-8 rows (registers) and over 8 (a dequantized chunk), any group, with or
-    without zeros, so every row is batch-invariant as the float kernel's."""
+    without zeros, so every row is batch-invariant as the float kernel's. Groups of 8 (mod 16) columns, whose 16-lane
+    steps (AVX-512) straddle two groups, and an input of 8 (mod 16) columns (its masked tail) included."""
     rng = np.random.default_rng(11)
     kernel = jax.jit(lambda x, w: cpu_kernels.quantized_matmul(x, w, isa))
     dense = jax.jit(lambda x, w: cpu_kernels.skinny_matmul(x, quant.dequantize(w), isa))
     for rows, n, k, group, symmetric, bits in [
             (1, 48, 64, 64, True, 8), (3, 33, 40, 40, True, 8), (8, 80, 512, 512, True, 8),
             (6, 37, 768, 384, False, 8), (7, 21, 256, 64, False, 8), (5, 9, 1024, 1024, True, 8),
-            (13, 150, 192, 192, False, 8), (70, 40, 64, 64, False, 8)]:
+            (13, 150, 192, 192, False, 8), (70, 40, 64, 64, False, 8), (4, 19, 96, 24, False, 8),
+            (2, 10, 72, 24, True, 8), (5, 12, 128, 32, False, 8), (11, 17, 120, 40, False, 8)]:
         w = quantized_weight(rng, n, k, group, symmetric, bits)
         x = jnp.asarray(rng.standard_normal((rows, k)), x_dtype)
         got = kernel(x, w)
@@ -212,15 +219,15 @@ def test_tiled_int4_is_the_row_major_product_bit_for_bit(isa):
             quant.tile_rows(bad)
 
 
-@pytest.mark.skipif("avx2" not in QUANT_ISAS, reason="row streams are the AVX2 paths' block order")
-def test_row_streams_are_the_adjacent_rows_bits_at_every_row_count():
+@pytest.mark.parametrize("isa", [isa for isa in ("avx2", "avx512", "avx512bf16") if isa in ISAS])
+def test_row_streams_are_the_adjacent_rows_bits_at_every_row_count(isa):
     """A register block's weight rows taken as NB streams apart (the default) or adjacent give the same bits for
-    every weight form and row count the AVX2 paths serve, across chunk boundaries and with rows left over (N not a
-    multiple of the block); only which rows share a block changes."""
+    every weight form and row count each vector path serves, across chunk boundaries and with rows left over (N not
+    a multiple of the block); only which rows share a block changes."""
     rng = np.random.default_rng(14)
-    float_product = jax.jit(lambda x, w, streams: cpu_kernels.skinny_matmul(x, w, "avx2", streams),
+    float_product = jax.jit(lambda x, w, streams: cpu_kernels.skinny_matmul(x, w, isa, streams),
                             static_argnums=2)
-    quantized_product = jax.jit(lambda x, w, streams: cpu_kernels.quantized_matmul(x, w, "avx2", streams),
+    quantized_product = jax.jit(lambda x, w, streams: cpu_kernels.quantized_matmul(x, w, isa, streams),
                                 static_argnums=2)
     weights = [(float_product, jnp.asarray(rng.standard_normal((n, k)), dtype))
                for dtype in (jnp.float32, jnp.bfloat16) for n, k in ((37, 64), (301, 256))]

@@ -195,7 +195,7 @@ def skinny_matmul(x: jax.Array, w: jax.Array, isa: str = "auto", streams: bool =
     Differentiable (the derivative is XLA's product) and vmappable (one call per batch element). Call only where
     `available()`; on one device (XLA cannot partition the call: on a mesh it would gather w).
     `isa` forces a code path (tests, benchmarks): one of ISAS (`resolved_isa_name` says which runs). `streams`
-    False: the AVX2 path's register blocks take adjacent weight rows instead of NB sequential streams (csrc: `Blocks`;
+    False: the vector paths' register blocks take adjacent weight rows instead of NB sequential streams (csrc: `Blocks`;
     the same bits, slower at 1-4 rows: for tests and `benchmarks/bench_streams.py`).
     """
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or w.dtype not in (jnp.float32, jnp.bfloat16):
@@ -244,8 +244,8 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight, isa: str = "auto", stream
     (int4, groups of 32) bits per weight instead of a dequantized weight's 32 written and read back. Any row count;
     each row's bits depend on that row and W only (batch invariance).
 
-    int8: bitwise `skinny_matmul(x, quant.dequantize(W))` on the same code path (each weight dequantized in
-    registers). int4: an integer product (what makes it faster than dequantizing, which was compute bound): each x
+    int8: bitwise `skinny_matmul(x, quant.dequantize(W))` on the same code path, `auto` included (each weight
+    dequantized in registers). int4: an integer product (what makes it faster than dequantizing, which was compute bound): each x
     row rounded to 16-bit integers, x ~= s * xi with s = max|row| / 32767 (the precision of int8's two digits; at most
     half a step per value), products exact in int32 per 32 columns, the group scales then the row's s in float32:
     within ~1e-4 of the float product of `dequantize(W)` relative to its largest term (`tests/test_cpu_kernels.py`

@@ -26,12 +26,13 @@
 // so a block's 32-column chunks are one 64-byte line, read as one sequential stream (row-major, a block is kTileRows
 // streams of a few hundred bytes; tiled, the 0.6B's 196 layer products ran 1.16 / 1.13 / 1.17x faster at 1 / 2 / 4
 // rows, its decode step 1.05 / 1.04 / 1.10 / 1.00x at 1 / 2 / 4 / 8 requests: benchmarks/bench_tiles.py); the sums
-// are the same, so the bits are. Row streams (attribute `streams`, cpu_kernels.py's default; the AVX2 paths): a
+// are the same, so the bits are. Row streams (attribute `streams`, cpu_kernels.py's default; the vector paths): a
 // register block's NB weight rows are the same row of NB runs of the chunk, NB long sequential streams, instead of NB
 // adjacent rows (`Blocks`): the 0.6B's step of products 1.15-1.27x (float32), 1.13-1.33x (bf16) faster at 1-8 rows,
-// int8 1.23x at 1 row (benchmarks/bench_streams.py); the same bits. AVX2 or portable code only (an
-// AVX-512 CPU runs the AVX2 path, and so does the float32 code on int8's buffer, so a row's bits never depend on how
-// many rows share the call).
+// int8 1.23x at 1 row on a Zen 3 (benchmarks/bench_streams.py); the same bits. int8 runs on the float32 code's ISA
+// (AVX-512 where the CPU has it: on a Zen 5, 1.45 / 1.60 / 1.77x the AVX2 path's products at 2 / 4 / 8 rows), and so
+// does the float32 code on its dequantized chunks, so a row's bits never depend on how many rows share the call;
+// int4 runs the AVX2 or the portable path (the same bits).
 //
 // ISA, chosen at run time (__builtin_cpu_supports): for a bf16 x AVX512_BF16's vdpbf16ps (32 products per
 // instruction: at 2-8 rows an FMA path is compute bound on a slow core), else AVX-512 (F+BW+VL) or AVX2+FMA, else
@@ -340,7 +341,7 @@ PJ_AVX2 inline float HsumAvx2(__m256 v) {  // the fixed horizontal tree
 // 0.94x in the 4-request engine step): those read as before. A prefetch changes no sum: the bits are the same.
 // The next block's rows: the NB rows after this block's (adjacent) or the next row of each stream (apart > 1).
 template <int NB>
-PJ_AVX2 inline void PrefetchNext(const void* block, int64_t row_bytes, int64_t apart, int64_t at) {
+inline void PrefetchNext(const void* block, int64_t row_bytes, int64_t apart, int64_t at) {
   const char* next = static_cast<const char*>(block) + (apart > 1 ? 1 : NB) * row_bytes + at;  // past the end: ignored
   for (int b = 0; b < NB; ++b) _mm_prefetch(next + b * apart * row_bytes, _MM_HINT_T0);
 }
@@ -617,16 +618,17 @@ PJ_AVX512 inline __m512 MaskLoadAvx512(__mmask16 m, const uint16_t* p) {
 PJ_AVX512 inline __m512 MaskLoadAvx512(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
 
 template <typename WT, int R, int NB>
-PJ_AVX512 void BlockAvx512(const Job& j, int64_t n) {
-  const int64_t K = j.K, kv = K / 16 * 16;
+PJ_AVX512 void BlockAvx512(const Job& j, int64_t n, int64_t apart) {
+  const int64_t K = j.K, kv = K / 16 * 16, rs = apart * K;
   const WT* __restrict w = static_cast<const WT*>(j.w) + n * K;
   const float* __restrict x = j.x;
   __m512 acc[NB][R];
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < kv; k += 16) {
+    if (sizeof(WT) == 2 && (k & 31) == 0) PrefetchNext<NB>(w, 2 * K, apart, 2 * k);
     __m512 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = LoadAvx512(w + b * K + k);
+    for (int b = 0; b < NB; ++b) wv[b] = LoadAvx512(w + b * rs + k);
     for (int r = 0; r < R; ++r) {
       __m512 xv = _mm512_loadu_ps(x + r * K + k);
       for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
@@ -635,7 +637,7 @@ PJ_AVX512 void BlockAvx512(const Job& j, int64_t n) {
   if (kv < K) {
     const __mmask16 m = static_cast<__mmask16>((1u << (K - kv)) - 1);
     __m512 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = MaskLoadAvx512(m, w + b * K + kv);
+    for (int b = 0; b < NB; ++b) wv[b] = MaskLoadAvx512(m, w + b * rs + kv);
     for (int r = 0; r < R; ++r) {
       __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + kv);
       for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
@@ -645,15 +647,103 @@ PJ_AVX512 void BlockAvx512(const Job& j, int64_t n) {
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) sums[b][r] = _mm512_reduce_add_ps(acc[b][r]);
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) j.Store(r, n + b, sums[b][r]);
+    for (int r = 0; r < R; ++r) j.Store(r, n + b * apart, sums[b][r]);
 }
 
 template <typename WT, int R>
 PJ_AVX512 void RowsAvx512(const Job& j, int64_t n0, int64_t n1) {
-  constexpr int NB = R <= 2 ? 8 : (R <= 4 ? 4 : 2);  // NB * R accumulators + NB weights + 1 x within 32 zmm
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) BlockAvx512<WT, R, NB>(j, n);
-  for (; n < n1; ++n) BlockAvx512<WT, R, 1>(j, n);
+  constexpr int NB = 4;  // NB * R accumulators + NB weights + 1 x (8 weight rows at 1-2 x rows: no faster)
+  const Blocks b = BlocksOf<NB>(j, n0, n1);
+  for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) BlockAvx512<WT, R, NB>(j, n, b.apart);
+  for (int64_t n = b.tail; n < n1; ++n) BlockAvx512<WT, R, 1>(j, n, 1);
+}
+
+// 16 dequantized int8 weights at v, as DequantAvx2 (the same two roundings per weight: the same floats).
+template <bool Zero>
+PJ_AVX512 inline __m512 DequantAvx512(const uint8_t* v, __m512 zv, __m512 sv) {
+  const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v))));
+  return _mm512_mul_ps(Zero ? _mm512_sub_ps(f, zv) : f, sv);
+}
+
+// int8 weights: BlockAvx512<float>'s lanes, order and tree over the weight dequantized in registers, 16 per load
+// (groups of a multiple of 16 columns; others: BlockQuantOddAvx512), so its bits are the float32 AVX-512 code's on the
+// dequantized weight. 32 registers hold every block without the AVX2 path's split at 7-8 rows.
+template <bool Zero, int R, int NB>
+PJ_AVX512 void BlockQuantAvx512(const Job& j, int64_t n, int64_t apart) {
+  const int64_t K = j.K, gs = j.gs, G = K / gs, rs = apart * K;
+  const uint8_t* __restrict v = j.qv + n * K;
+  const float* __restrict x = j.x;
+  __m512 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 sv[NB], zv[NB];
+    for (int b = 0; b < NB; ++b) {
+      sv[b] = _mm512_set1_ps(j.scale[(n + b * apart) * G + g]);
+      zv[b] = _mm512_set1_ps(static_cast<float>(j.zero[(n + b * apart) * G + g]));
+    }
+    for (int64_t o = 0; o < gs; o += 16) {
+      if (R <= kBlockRows && ((g * gs + o) & 63) == 0) PrefetchNext<NB>(v, K, apart, g * gs + o);
+      __m512 wv[NB];
+      for (int b = 0; b < NB; ++b) wv[b] = DequantAvx512<Zero>(v + b * rs + g * gs + o, zv[b], sv[b]);
+      for (int r = 0; r < R; ++r) {
+        __m512 xv = _mm512_loadu_ps(x + r * K + g * gs + o);
+        for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
+      }
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) j.Store(r, n + b * apart, _mm512_reduce_add_ps(acc[b][r]));
+}
+
+// 8 dequantized int8 weights of row n at column k (its group's scale and zero): DequantAvx512's floats.
+template <bool Zero>
+PJ_AVX512 inline __m256 Dequant8Avx512(const Job& j, int64_t n, int64_t k) {
+  const int64_t G = j.K / j.gs, g = k / j.gs;
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
+      reinterpret_cast<const __m128i*>(j.qv + n * j.K + k))));
+  const __m256 zv = _mm256_set1_ps(static_cast<float>(j.zero[n * G + g]));
+  return _mm256_mul_ps(Zero ? _mm256_sub_ps(f, zv) : f, _mm256_set1_ps(j.scale[n * G + g]));
+}
+
+// BlockQuantAvx512 for groups of 8 (mod 16) columns: each 16-column step dequantized as two halves of their own
+// groups, the last 8 columns (in = 8 mod 16) as the float32 code's masked tail (zeros above). Rare (quant.py's int8
+// is per channel) and slower; the same bits.
+template <bool Zero, int R, int NB>
+PJ_AVX512 void BlockQuantOddAvx512(const Job& j, int64_t n, int64_t apart) {
+  const int64_t K = j.K;
+  const float* __restrict x = j.x;
+  __m512 acc[NB][R];
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const bool tail = k + 16 > K;
+    __m512 wv[NB];
+    for (int b = 0; b < NB; ++b) {
+      const __m256 lo = Dequant8Avx512<Zero>(j, n + b * apart, k);
+      const __m256 hi = tail ? _mm256_setzero_ps() : Dequant8Avx512<Zero>(j, n + b * apart, k + 8);
+      wv[b] = _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(lo)), _mm256_castps_pd(hi), 1));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_maskz_loadu_ps(tail ? 0x00ff : 0xffff, x + r * K + k);
+      for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_fmadd_ps(wv[b], xv, acc[b][r]);
+    }
+  }
+  for (int b = 0; b < NB; ++b)
+    for (int r = 0; r < R; ++r) j.Store(r, n + b * apart, _mm512_reduce_add_ps(acc[b][r]));
+}
+
+template <bool Zero, int R>
+PJ_AVX512 void RowsQuantAvx512(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int NB = 4;  // NB * R accumulators + NB weights, scales, zeros + 1 x: some spill at 5-8 rows, still 1.5x NB 2
+  const Blocks b = BlocksOf<NB>(j, n0, n1);
+  if (j.gs % 16) {
+    for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) BlockQuantOddAvx512<Zero, R, NB>(j, n, b.apart);
+    for (int64_t n = b.tail; n < n1; ++n) BlockQuantOddAvx512<Zero, R, 1>(j, n, 1);
+    return;
+  }
+  for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) BlockQuantAvx512<Zero, R, NB>(j, n, b.apart);
+  for (int64_t n = b.tail; n < n1; ++n) BlockQuantAvx512<Zero, R, 1>(j, n, 1);
 }
 
 // ---- AVX512_BF16 (bf16 x only): vdpbf16ps multiplies 32 bf16 pairs into 16 f32 sums per instruction, the weight
@@ -661,8 +751,8 @@ PJ_AVX512 void RowsAvx512(const Job& j, int64_t n0, int64_t n1) {
 // order (pairs of neighbours first); like every AVX512_BF16 op it treats bf16 denormals as zero.
 #define PJ_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 template <int R, int NB>
-PJ_BF16 void BlockBf16(const Job& j, int64_t n) {
-  const int64_t K = j.K, kv = K / 32 * 32;
+PJ_BF16 void BlockBf16(const Job& j, int64_t n, int64_t apart) {
+  const int64_t K = j.K, kv = K / 32 * 32, rs = apart * K;
   const uint16_t* __restrict w = static_cast<const uint16_t*>(j.w) + n * K;
   const uint16_t* __restrict x = j.xb;
   __m512 acc[NB][R];
@@ -674,8 +764,8 @@ PJ_BF16 void BlockBf16(const Job& j, int64_t n) {
       // 512 bytes ahead in each of the NB rows: 7-10% faster 1-row products than the hardware prefetcher alone
       // (Qwen3-0.6B shapes, 16 cold weights, quiet box; 1 and 2 KiB ahead measured no better). A prefetch past the
       // weight's end cannot fault.
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * K + k + 256), _MM_HINT_T0);
-      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * K + k);
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * rs + k + 256), _MM_HINT_T0);
+      wv[b] = (__m512bh)_mm512_loadu_si512(w + b * rs + k);
     }
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k);
@@ -685,7 +775,7 @@ PJ_BF16 void BlockBf16(const Job& j, int64_t n) {
   if (kv < K) {
     const __mmask32 m = static_cast<__mmask32>((uint64_t{1} << (K - kv)) - 1);
     __m512bh wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + b * K + kv);
+    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_maskz_loadu_epi16(m, w + b * rs + kv);
     for (int r = 0; r < R; ++r) {
       __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + r * K + kv);
       for (int b = 0; b < NB; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[b], xv);
@@ -695,15 +785,15 @@ PJ_BF16 void BlockBf16(const Job& j, int64_t n) {
   for (int b = 0; b < NB; ++b)
     for (int r = 0; r < R; ++r) sums[b][r] = _mm512_reduce_add_ps(acc[b][r]);
   for (int b = 0; b < NB; ++b)
-    for (int r = 0; r < R; ++r) j.Store(r, n + b, sums[b][r]);
+    for (int r = 0; r < R; ++r) j.Store(r, n + b * apart, sums[b][r]);
 }
 
 template <int R>
 PJ_BF16 void RowsBf16(const Job& j, int64_t n0, int64_t n1) {
-  constexpr int NB = R <= 2 ? 8 : (R <= 4 ? 4 : 2);
-  int64_t n = n0;
-  for (; n + NB <= n1; n += NB) BlockBf16<R, NB>(j, n);
-  for (; n < n1; ++n) BlockBf16<R, 1>(j, n);
+  constexpr int NB = 4;  // (8 weight rows at 1-2 x rows: 0.87x)
+  const Blocks b = BlocksOf<NB>(j, n0, n1);
+  for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) BlockBf16<R, NB>(j, n, b.apart);
+  for (int64_t n = b.tail; n < n1; ++n) BlockBf16<R, 1>(j, n, 1);
 }
 #endif
 
@@ -745,16 +835,19 @@ RowsFn Select(int isa, bool w_bf16, int rows) {
   return portable[w_bf16][rows - 1];
 }
 
-// Quantized weights: the AVX2 path wherever AVX2 runs (AVX-512 CPUs included), else portable. int8: a chunk
-// dequantized for more than kMaxRows rows runs the float32 code of the same ISA, so both give the same bits. int4:
-// the AVX2 and portable paths give the same bits (RowsInt4Portable).
-int QuantIsa(int32_t requested) { return ResolveIsa(requested, false, false) >= 2 ? 2 : 1; }
+// Quantized weights: int8 on the float32 code's ISA (the same bits as that code on the dequantized weight; a chunk
+// dequantized for more than kMaxRows rows runs that code itself). int4: the AVX2 path wherever AVX2 runs (AVX-512
+// CPUs included), else portable: the two give the same bits (RowsInt4Portable).
+int QuantIsa(int32_t requested, int bits) {
+  const int resolved = ResolveIsa(requested, false, false);
+  return bits == 8 || resolved < 2 ? resolved : 2;
+}
 
 using DequantFn = void (*)(const Job&, int64_t, int64_t, float*);
 
 DequantFn SelectDequant(int isa, bool zero) {
 #if PJ_X86
-  if (isa == 2) return zero ? DequantRowsAvx2<true> : DequantRowsAvx2<false>;
+  if (isa >= 2) return zero ? DequantRowsAvx2<true> : DequantRowsAvx2<false>;  // the same floats at either width
 #endif
   (void)isa;
   (void)zero;
@@ -766,6 +859,8 @@ RowsFn SelectQuant(int isa, int bits, bool zero, int rows) {
 #if PJ_X86
   static const RowsFn avx2[3][kMaxRows] = {PJ_RTABLE(RowsQuantAvx2<false,), PJ_RTABLE(RowsQuantAvx2<true,),
                                            PJ_RTABLE(RowsInt4Avx2<)};
+  static const RowsFn avx512[2][kMaxRows] = {PJ_RTABLE(RowsQuantAvx512<false,), PJ_RTABLE(RowsQuantAvx512<true,)};
+  if (isa == 3) return avx512[zero][rows - 1];  // int8 only (QuantIsa)
   if (isa == 2) return avx2[bits == 4 ? 2 : zero][rows - 1];
 #else
   (void)isa;
@@ -917,7 +1012,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int64_t rows = xd[0], K = xd[1], N = vd[0];
   if (rows == 0 || N == 0) return ffi::Error::Success();
   const bool x_bf16 = xt == ffi::DataType::BF16;
-  const int resolved = QuantIsa(isa);
+  const int resolved = QuantIsa(isa, bits);
   auto s = std::make_shared<Shared>();
   s->job = Job{FloatRows(x, x_bf16), nullptr, nullptr, y->untyped_data(), x_bf16, rows, K, N};
   s->job.qv = static_cast<const uint8_t*>(values.untyped_data());
