@@ -32,7 +32,7 @@
 // int8 1.23x at 1 row on a Zen 3 (benchmarks/bench_streams.py); the same bits. int8 runs on the float32 code's ISA
 // (AVX-512 where the CPU has it: on a Zen 5, 1.45 / 1.60 / 1.77x the AVX2 path's products at 2 / 4 / 8 rows), and so
 // does the float32 code on its dequantized chunks, so a row's bits never depend on how many rows share the call;
-// int4 runs the AVX2 or the portable path (the same bits).
+// int4's AVX-512 path (two x rows per register), AVX2 path and portable loop give the same bits.
 //
 // ISA, chosen at run time (__builtin_cpu_supports): for a bf16 x AVX512_BF16's vdpbf16ps (32 products per
 // instruction: at 2-8 rows an FMA path is compute bound on a slow core), else AVX-512 (F+BW+VL) or AVX2+FMA, else
@@ -605,7 +605,7 @@ PJ_AVX2 void RowsInt4Avx2(const Job& j, int64_t n0, int64_t n1) {
 }
 
 // ---- AVX-512 (F, BW, VL): 16 lanes, masked tail ---------------------------------------------------------------
-#define PJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
+#define PJ_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))  // (fma: the AVX2 helpers inline)
 PJ_AVX512 inline __m512 LoadAvx512(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -746,6 +746,89 @@ PJ_AVX512 void RowsQuantAvx512(const Job& j, int64_t n0, int64_t n1) {
   for (int64_t n = b.tail; n < n1; ++n) BlockQuantAvx512<Zero, R, 1>(j, n, 1);
 }
 
+// int4 on AVX-512: two x rows per register, each half exactly BlockInt4Avx2's 8 lanes for its row (the same
+// weight nibbles broadcast to both halves, the same vpmaddwd pairs, add, conversion and FMA with the group's scale), so
+// the bits are the AVX2 and the portable path's while a 32-column chunk costs one pass of 5 instructions per two rows
+// instead of per row. x rows in pairs (`Int4PairRows`): per pair and chunk, [row a's 16 first-half integers | row b's |
+// a's 16 second-half | b's]; an odd row count pairs the last row with a row of zeros.
+void Int4PairRows(const int16_t* xq, int64_t R, int64_t K, int16_t* out) {
+  constexpr size_t kHalf = 16 * sizeof(int16_t);
+  for (int64_t a = 0; a < R; a += 2, out += 2 * K) {
+    const int16_t* ra = xq + a * K;
+    const int16_t* rb = a + 1 < R ? ra + K : nullptr;
+    for (int64_t c = 0; c < K / 32; ++c) {
+      int16_t* o = out + 64 * c;
+      std::memcpy(o, ra + 32 * c, kHalf);
+      std::memcpy(o + 32, ra + 32 * c + 16, kHalf);
+      if (rb) {
+        std::memcpy(o + 16, rb + 32 * c, kHalf);
+        std::memcpy(o + 48, rb + 32 * c + 16, kHalf);
+      } else {
+        std::memset(o + 16, 0, kHalf);
+        std::memset(o + 48, 0, kHalf);
+      }
+    }
+  }
+}
+
+template <int R, int NB, bool Tiled>
+PJ_AVX512 void BlockInt4Avx512(const Job& j, int64_t n, int64_t apart) {  // (tiled: apart 1)
+  constexpr int P = (R + 1) / 2;  // row pairs
+  const int64_t K = j.K, gs = j.gs, h = gs / 2, G = K / gs, KB = K / 2;
+  const uint8_t* __restrict v = j.Int4Chunk(n, 0);
+  const int64_t row_step = Tiled ? 16 : KB * apart, chunk_step = Tiled ? 16 * kTileRows : 16;
+  const int16_t* __restrict x = j.xq;  // pair layout
+  const __m512i mask = _mm512_set1_epi16(15);
+  __m512 acc[NB][P];
+  for (int b = 0; b < NB; ++b)
+    for (int q = 0; q < P; ++q) acc[b][q] = _mm512_setzero_ps();
+  const float* __restrict s = j.scale + n * G;
+  const int64_t s_step = apart * G, per_group = h / 16;
+  for (int64_t c = 0, g = 0, left = per_group; c < K / 32; ++c) {
+    if (R <= 2 && Tiled)
+      _mm_prefetch(reinterpret_cast<const char*>(v) + kTileRows * KB + c * chunk_step, _MM_HINT_T0);
+    else if (R <= 2 && (c & 3) == 0)
+      PrefetchNext<NB>(v, KB, apart, 16 * c);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 sv = _mm512_set1_ps(s[b * s_step + g]);
+      const __m512i w = _mm512_broadcast_i64x4(_mm256_cvtepu8_epi16(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + b * row_step + c * chunk_step))));
+      const __m512i qa = _mm512_and_si512(w, mask), qb = _mm512_srli_epi16(w, 4);
+      for (int q = 0; q < P; ++q) {
+        const int16_t* xp = x + 2 * q * K + 64 * c;
+        const __m512i e = _mm512_add_epi32(_mm512_madd_epi16(qa, _mm512_loadu_si512(xp)),
+                                           _mm512_madd_epi16(qb, _mm512_loadu_si512(xp + 32)));
+        acc[b][q] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(e), sv, acc[b][q]);
+      }
+    }
+    if (--left == 0) ++g, left = per_group;
+  }
+  for (int r = 0; r < R; ++r) {
+    float zs[NB];
+    ZeroSharesAvx2<NB>(j, r, n, apart, zs);
+    for (int b = 0; b < NB; ++b) {
+      const __m512 a = acc[b][r / 2];
+      const __m256 half = r % 2 ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1))
+                                : _mm512_castps512_ps256(a);
+      j.Store(r, n + b * apart, (HsumAvx2(half) - zs[b]) * j.xs[r]);
+    }
+  }
+}
+
+template <int R>
+PJ_AVX512 void RowsInt4Avx512(const Job& j, int64_t n0, int64_t n1) {
+  constexpr int NB = 4;  // NB * R / 2 accumulators + NB x (weights, scale) + 2 x within 32 zmm
+  int64_t n = n0;
+  if (j.tiled) {  // a tile per pass (n0 is a multiple of 16; Block never passes over kBlockRows rows)
+    for (; n + kTileRows <= n1; n += kTileRows) BlockInt4Avx512<R, kTileRows, true>(j, n, 1);
+    for (; n < n1; ++n) BlockInt4Avx512<R, 1, true>(j, n, 1);
+    return;
+  }
+  const Blocks b = BlocksOf<NB>(j, n0, n1);
+  for (int64_t i = 0; i < b.count; ++i, n += b.step) BlockInt4Avx512<R, NB, false>(j, n, b.apart);
+  for (n = b.tail; n < n1; ++n) BlockInt4Avx512<R, 1, false>(j, n, 1);
+}
+
 // ---- AVX512_BF16 (bf16 x only): vdpbf16ps multiplies 32 bf16 pairs into 16 f32 sums per instruction, the weight
 // and x used as stored (no conversion). Products of two bf16 are exact in f32, so this is f32 summation in another
 // order (pairs of neighbours first); like every AVX512_BF16 op it treats bf16 denormals as zero.
@@ -835,13 +918,10 @@ RowsFn Select(int isa, bool w_bf16, int rows) {
   return portable[w_bf16][rows - 1];
 }
 
-// Quantized weights: int8 on the float32 code's ISA (the same bits as that code on the dequantized weight; a chunk
-// dequantized for more than kMaxRows rows runs that code itself). int4: the AVX2 path wherever AVX2 runs (AVX-512
-// CPUs included), else portable: the two give the same bits (RowsInt4Portable).
-int QuantIsa(int32_t requested, int bits) {
-  const int resolved = ResolveIsa(requested, false, false);
-  return bits == 8 || resolved < 2 ? resolved : 2;
-}
+// Quantized weights on the float32 code's ISA: int8 gives the same bits as that code on the dequantized weight (a
+// chunk dequantized for more than kMaxRows rows runs that code itself); int4's AVX-512, AVX2 and portable paths give
+// the same bits (RowsInt4Portable).
+int QuantIsa(int32_t requested) { return ResolveIsa(requested, false, false); }
 
 using DequantFn = void (*)(const Job&, int64_t, int64_t, float*);
 
@@ -859,8 +939,9 @@ RowsFn SelectQuant(int isa, int bits, bool zero, int rows) {
 #if PJ_X86
   static const RowsFn avx2[3][kMaxRows] = {PJ_RTABLE(RowsQuantAvx2<false,), PJ_RTABLE(RowsQuantAvx2<true,),
                                            PJ_RTABLE(RowsInt4Avx2<)};
-  static const RowsFn avx512[2][kMaxRows] = {PJ_RTABLE(RowsQuantAvx512<false,), PJ_RTABLE(RowsQuantAvx512<true,)};
-  if (isa == 3) return avx512[zero][rows - 1];  // int8 only (QuantIsa)
+  static const RowsFn avx512[3][kMaxRows] = {PJ_RTABLE(RowsQuantAvx512<false,), PJ_RTABLE(RowsQuantAvx512<true,),
+                                             PJ_RTABLE(RowsInt4Avx512<)};
+  if (isa == 3) return avx512[bits == 4 ? 2 : zero][rows - 1];
   if (isa == 2) return avx2[bits == 4 ? 2 : zero][rows - 1];
 #else
   (void)isa;
@@ -1012,7 +1093,7 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int64_t rows = xd[0], K = xd[1], N = vd[0];
   if (rows == 0 || N == 0) return ffi::Error::Success();
   const bool x_bf16 = xt == ffi::DataType::BF16;
-  const int resolved = QuantIsa(isa, bits);
+  const int resolved = QuantIsa(isa);
   auto s = std::make_shared<Shared>();
   s->job = Job{FloatRows(x, x_bf16), nullptr, nullptr, y->untyped_data(), x_bf16, rows, K, N};
   s->job.qv = static_cast<const uint8_t*>(values.untyped_data());
@@ -1033,12 +1114,18 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
     if (static_cast<int64_t>(xq.size()) < rows * K) xq.resize(rows * K);
     if (static_cast<int64_t>(xs.size()) < floats) xs.resize(floats);
 #if PJ_X86
-    if (resolved == 2)
+    if (resolved >= 2)
       Int4RowsAvx2(s->job.x, rows, K, s->job.gs, xq.data(), xs.data(), xs.data() + rows);
     else
 #endif
       Int4Rows(s->job.x, rows, K, s->job.gs, xq.data(), xs.data(), xs.data() + rows);
     s->job.xq = xq.data();
+    if (resolved == 3) {  // the AVX-512 path reads x rows in pairs (blocks start at even rows: Block() is even)
+      thread_local std::vector<int16_t> pairs;
+      if (static_cast<int64_t>(pairs.size()) < (rows + 1) / 2 * 2 * K) pairs.resize((rows + 1) / 2 * 2 * K);
+      Int4PairRows(xq.data(), rows, K, pairs.data());
+      s->job.xq = pairs.data();
+    }
     s->job.xs = xs.data();
     s->job.xsum = xs.data() + rows;
     s->job.has_zero = has_zero;
