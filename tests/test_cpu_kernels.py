@@ -8,7 +8,9 @@ import ctypes.util
 import dataclasses
 import logging
 import os
+import platform
 import stat
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -445,6 +447,18 @@ def test_no_compiler_falls_back_to_xla_form(monkeypatch, tmp_path, caplog):
     assert cpu_kernels.TARGET not in jax.jit(layers.linear).lower(x, w).as_text()
     np.testing.assert_allclose(np.asarray(layers.linear(x, w), np.float32), reference(x, w), rtol=2**-7)
     assert layers.resolve_impl("auto") == "xla"
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="a non-x86 host compiles it for real")
+def test_the_sources_compile_without_the_x86_paths():
+    """aarch64 and other hosts build only the portable code: with POCKETJAX_PORTABLE_ONLY (the x86 paths left out as
+    there) both sources must still compile (an x86-only helper called from shared code broke this once, unseen on
+    x86)."""
+    compiler = cpu_kernels.find_compiler()
+    cmd = [compiler, *cpu_kernels.FLAGS, "-fsyntax-only", "-DPOCKETJAX_PORTABLE_ONLY", "-isystem",
+           jax.ffi.include_dir(), *map(str, cpu_kernels.SOURCES)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_a_failed_build_logs_and_returns_none(tmp_path, caplog):

@@ -30,7 +30,7 @@
 
 namespace ffi = xla::ffi;
 
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(POCKETJAX_PORTABLE_ONLY)
 #define PJ_ATTN_AVX2 1
 #else
 #define PJ_ATTN_AVX2 0

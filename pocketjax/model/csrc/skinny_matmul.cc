@@ -51,7 +51,8 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
+// POCKETJAX_PORTABLE_ONLY: the build a non-x86 host gets, on x86 (tests/test_cpu_kernels.py compiles it).
+#if (defined(__x86_64__) || defined(_M_X64)) && !defined(POCKETJAX_PORTABLE_ONLY)
 #define PJ_X86 1
 #include <immintrin.h>
 #else
@@ -259,6 +260,28 @@ void Int4Rows(const float* x, int64_t R, int64_t K, int64_t gs, int16_t* xq, flo
           }
       }
       xsum[g] = static_cast<float>(sum);
+    }
+  }
+}
+
+// Int4Rows' xq [R, K] in row pairs for the AVX-512 int4 path: per pair and 32-column chunk, [row a's 16 first-half
+// integers | row b's | a's 16 second-half | b's]; an odd row count pairs the last row with a row of zeros.
+void Int4PairRows(const int16_t* xq, int64_t R, int64_t K, int16_t* out) {
+  constexpr size_t kHalf = 16 * sizeof(int16_t);
+  for (int64_t a = 0; a < R; a += 2, out += 2 * K) {
+    const int16_t* ra = xq + a * K;
+    const int16_t* rb = a + 1 < R ? ra + K : nullptr;
+    for (int64_t c = 0; c < K / 32; ++c) {
+      int16_t* o = out + 64 * c;
+      std::memcpy(o, ra + 32 * c, kHalf);
+      std::memcpy(o + 32, ra + 32 * c + 16, kHalf);
+      if (rb) {
+        std::memcpy(o + 16, rb + 32 * c, kHalf);
+        std::memcpy(o + 48, rb + 32 * c + 16, kHalf);
+      } else {
+        std::memset(o + 16, 0, kHalf);
+        std::memset(o + 48, 0, kHalf);
+      }
     }
   }
 }
@@ -749,28 +772,7 @@ PJ_AVX512 void RowsQuantAvx512(const Job& j, int64_t n0, int64_t n1) {
 // int4 on AVX-512: two x rows per register, each half exactly BlockInt4Avx2's 8 lanes for its row (the same
 // weight nibbles broadcast to both halves, the same vpmaddwd pairs, add, conversion and FMA with the group's scale), so
 // the bits are the AVX2 and the portable path's while a 32-column chunk costs one pass of 5 instructions per two rows
-// instead of per row. x rows in pairs (`Int4PairRows`): per pair and chunk, [row a's 16 first-half integers | row b's |
-// a's 16 second-half | b's]; an odd row count pairs the last row with a row of zeros.
-void Int4PairRows(const int16_t* xq, int64_t R, int64_t K, int16_t* out) {
-  constexpr size_t kHalf = 16 * sizeof(int16_t);
-  for (int64_t a = 0; a < R; a += 2, out += 2 * K) {
-    const int16_t* ra = xq + a * K;
-    const int16_t* rb = a + 1 < R ? ra + K : nullptr;
-    for (int64_t c = 0; c < K / 32; ++c) {
-      int16_t* o = out + 64 * c;
-      std::memcpy(o, ra + 32 * c, kHalf);
-      std::memcpy(o + 32, ra + 32 * c + 16, kHalf);
-      if (rb) {
-        std::memcpy(o + 16, rb + 32 * c, kHalf);
-        std::memcpy(o + 48, rb + 32 * c + 16, kHalf);
-      } else {
-        std::memset(o + 16, 0, kHalf);
-        std::memset(o + 48, 0, kHalf);
-      }
-    }
-  }
-}
-
+// instead of per row. x rows in pairs: `Int4PairRows`.
 template <int R, int NB, bool Tiled>
 PJ_AVX512 void BlockInt4Avx512(const Job& j, int64_t n, int64_t apart) {  // (tiled: apart 1)
   constexpr int P = (R + 1) / 2;  // row pairs
