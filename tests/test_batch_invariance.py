@@ -207,3 +207,28 @@ def test_the_trainer_sees_the_samplers_logprobs(checkpoints):
     scored = jax.jit(lambda x, t: jnp.take_along_axis(x, t[:, None], 1)[:, 0] - fixed_logsumexp(x))(
         logits, jnp.asarray(req.generated_tokens))
     assert [float(x) for x in scored] == [lp for lp, _ in req.logprobs]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_opaque_is_the_identity_bit_for_bit_and_keeps_nans(dtype):
+    """numerics.opaque returns every non-NaN value's bits unchanged (zeros, subnormals, the largest values,
+    infinities, both signs) and every NaN as a NaN, its bits OR-ed with 1 (what `bits | (x != x)` gave), jitted."""
+    import jax
+    import jax.numpy as jnp
+    from pocketjax.model.numerics import opaque
+    info = jnp.finfo(dtype)
+    bits_type = np.uint32 if dtype == "float32" else np.uint16
+    special = np.array([0.0, -0.0, float(info.smallest_subnormal), -float(info.smallest_subnormal), float(info.max),
+                        -float(info.max), np.inf, -np.inf, 1.0, -2.5], np.float32)
+    x = jnp.concatenate([jnp.asarray(special, dtype),
+                         jnp.asarray(np.random.default_rng(3).standard_normal(64), dtype)])
+    nan_bits = np.array([0x7FC00000, 0xFFC00001, 0x7F800001, 0x7FFFFFFE] if dtype == "float32" else
+                        ([0x7FC0, 0xFFC1, 0x7F81, 0x7FFE] if dtype == "bfloat16" else [0x7E00, 0xFE01, 0x7C01, 0x7FFE]),
+                        bits_type)
+    x = jnp.concatenate([x, jax.lax.bitcast_convert_type(jnp.asarray(nan_bits), jnp.dtype(dtype))])
+    got = np.asarray(jax.lax.bitcast_convert_type(jax.jit(opaque)(x), jnp.dtype(bits_type)))
+    want = np.asarray(jax.lax.bitcast_convert_type(x, jnp.dtype(bits_type)))
+    is_nan = np.isnan(np.asarray(x, np.float32))
+    assert is_nan.sum() == 4
+    np.testing.assert_array_equal(got[~is_nan], want[~is_nan])
+    np.testing.assert_array_equal(got[is_nan], want[is_nan] | 1)

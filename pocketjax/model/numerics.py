@@ -11,18 +11,28 @@ import jax
 import jax.numpy as jnp
 
 
+# `opaque`'s float dtypes: (their bits, the magnitude mask, infinity's bits)
+_BITS = {jnp.dtype(jnp.float32): (jnp.uint32, 0x7FFFFFFF, 0x7F800000),
+         jnp.dtype(jnp.bfloat16): (jnp.uint16, 0x7FFF, 0x7F80),
+         jnp.dtype(jnp.float16): (jnp.uint16, 0x7FFF, 0x7C00)}
+
+
 @jax.custom_jvp
 def opaque(x: jax.Array) -> jax.Array:
-    """x, as a value the compiler cannot see as the product it may be: its bits OR-ed with a runtime zero (x != x
-    is 0 except for NaN, which stays NaN). Why: XLA:CPU lets LLVM contract a * b + c into one FMA (one rounding
+    """x, as a value the compiler cannot see as the product it may be: its bits OR-ed with a runtime zero (1 for a
+    NaN, which stays NaN). Why: XLA:CPU lets LLVM contract a * b + c into one FMA (one rounding
     instead of two) wherever the multiply and the add land in one fused loop, and which ops share a fusion varies
     with the program (the row count, a decode fed from the host or the device): measured, RoPE's x * cos + r * sin
     was an FMA at 2 rows and not at 1, so a request's bits depended on its batch (issue 43). Wrapping a product
     that feeds a sum in `opaque` makes it round on its own in every program; an optimization barrier does not
-    (XLA:CPU removes barriers before fusion). A few integer ops per element."""
-    bits_type = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+    (XLA:CPU removes barriers before fusion). A few integer ops per element. The NaN test is on the bits (magnitude
+    above infinity's), not `x != x`: jaxlib 0.11.2's LLVM aborts compiling that float compare fused with an fp8
+    conversion on an AVX512_BF16 CPU ("Cannot select ... X86ISD::CMPP", a Zen 5); the same bits either way."""
+    bits_type, magnitude, inf = _BITS[jnp.dtype(x.dtype)]
     bits = jax.lax.bitcast_convert_type(x, bits_type)
-    return jax.lax.bitcast_convert_type(bits | (x != x).astype(bits_type), x.dtype)
+    nan = (bits & bits_type(magnitude)) > bits_type(inf)
+    return jax.lax.bitcast_convert_type(bits | nan.astype(bits_type), x.dtype)
+
 
 
 @opaque.defjvp

@@ -690,7 +690,7 @@ PJ_AVX512 inline __m512 DequantAvx512(const uint8_t* v, __m512 zv, __m512 sv) {
 
 // int8 weights: BlockAvx512<float>'s lanes, order and tree over the weight dequantized in registers, 16 per load
 // (groups of a multiple of 16 columns; others: BlockQuantOddAvx512), so its bits are the float32 AVX-512 code's on the
-// dequantized weight. 32 registers hold every block without the AVX2 path's split at 7-8 rows.
+// dequantized weight. No split at 7-8 rows as the AVX2 path's (see RowsQuantAvx512).
 template <bool Zero, int R, int NB>
 PJ_AVX512 void BlockQuantAvx512(const Job& j, int64_t n, int64_t apart) {
   const int64_t K = j.K, gs = j.gs, G = K / gs, rs = apart * K;
@@ -758,7 +758,8 @@ PJ_AVX512 void BlockQuantOddAvx512(const Job& j, int64_t n, int64_t apart) {
 
 template <bool Zero, int R>
 PJ_AVX512 void RowsQuantAvx512(const Job& j, int64_t n0, int64_t n1) {
-  constexpr int NB = 4;  // NB * R accumulators + NB weights, scales, zeros + 1 x: some spill at 5-8 rows, still 1.5x NB 2
+  constexpr int NB = 4;  // NB * R accumulators + NB weights, scales, zeros + 1 x: some spill at 5-8 rows, still
+                         // 1.2-1.5x NB 2 (kernel_ab.py)
   const Blocks b = BlocksOf<NB>(j, n0, n1);
   if (j.gs % 16) {
     for (int64_t i = 0, n = n0; i < b.count; ++i, n += b.step) BlockQuantOddAvx512<Zero, R, NB>(j, n, b.apart);
