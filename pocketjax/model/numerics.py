@@ -34,7 +34,6 @@ def opaque(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits | nan.astype(bits_type), x.dtype)
 
 
-
 @opaque.defjvp
 def _opaque_jvp(primals, tangents):
     """The identity's derivative (bitcasts have none): training through a forward that uses `opaque` works."""

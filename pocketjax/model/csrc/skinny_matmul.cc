@@ -719,14 +719,12 @@ PJ_AVX512 void BlockQuantAvx512(const Job& j, int64_t n, int64_t apart) {
     for (int r = 0; r < R; ++r) j.Store(r, n + b * apart, _mm512_reduce_add_ps(acc[b][r]));
 }
 
-// 8 dequantized int8 weights of row n at column k (its group's scale and zero): DequantAvx512's floats.
+// 8 dequantized int8 weights of row n at column k, with its group's scale and zero (DequantAvx2).
 template <bool Zero>
 PJ_AVX512 inline __m256 Dequant8Avx512(const Job& j, int64_t n, int64_t k) {
   const int64_t G = j.K / j.gs, g = k / j.gs;
-  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(
-      reinterpret_cast<const __m128i*>(j.qv + n * j.K + k))));
-  const __m256 zv = _mm256_set1_ps(static_cast<float>(j.zero[n * G + g]));
-  return _mm256_mul_ps(Zero ? _mm256_sub_ps(f, zv) : f, _mm256_set1_ps(j.scale[n * G + g]));
+  return DequantAvx2<Zero>(j.qv + n * j.K + k, _mm256_set1_ps(static_cast<float>(j.zero[n * G + g])),
+                           _mm256_set1_ps(j.scale[n * G + g]));
 }
 
 // BlockQuantAvx512 for groups of 8 (mod 16) columns: each 16-column step dequantized as two halves of their own
