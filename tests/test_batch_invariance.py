@@ -29,6 +29,7 @@ FORMS = {  # name: (checkpoint dtype, load_model options, Engine options); each 
     "bfloat16": ("bfloat16", dict(dtype="bfloat16"), {}),
     "int8+head": ("float32", dict(quantize="int8+head"), {}),  # int8 linears, embedding and lm_head
     "int4-int8kv": ("float32", dict(quantize="int4"), dict(kv_dtype="int8")),
+    "float32-fp8kv": ("float32", {}, dict(kv_dtype="float8_e4m3fn")),  # opaque's float32 form beside fp8 casts
     "bfloat16-int4-fp8kv": ("bfloat16", dict(dtype="bfloat16", quantize="int4"), dict(kv_dtype="float8_e4m3fn")),
 }
 SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
