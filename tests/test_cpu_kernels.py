@@ -366,11 +366,13 @@ def attention_model(q, k, v, slots, starts, lengths, sm_scale) -> np.ndarray:
 
 
 @pytest.mark.parametrize("group,head_dim,starts,lengths", [(2, 64, [5, 0, 60], [10, 7, 4]), (1, 64, [3, 9, 1], [1, 1, 1]),
-                                                          (3, 24, [5, 0, 60], [10, 7, 4]), (2, 40, [70, 2, 11], [1, 1, 1])])
+                                                          (3, 24, [5, 0, 60], [10, 7, 4]), (2, 40, [70, 2, 11], [1, 1, 1]),
+                                                          (2, 64, [66, 30, 60], [10, 10, 10])])
 def test_attention_is_its_numpy_model_bit_for_bit(group, head_dim, starts, lengths):
     """The kernel's summation order, pinned: bitwise its numpy model at prefill and decode rows, heads sharing a kv
     head or not, head dims with and without a tail past the 8 lanes: any reordering of a dot, the softmax sum or
-    P @ V (or a contraction into FMAs) shows here, where the reference and invariance tests allow it."""
+    P @ V (or a contraction into FMAs) shows here, where the reference and invariance tests allow it. Prefill rows
+    over more keys than one of the kernel's key blocks (64) included."""
     q, (k, v) = attention_inputs("float32", jnp.float32, seed=3, group=group, head_dim=head_dim)
     slots, starts, lengths = jnp.array([2, 0, 3]), jnp.array(starts), jnp.array(lengths)
     got = np.asarray(native(q, (k, v), slots, starts, lengths))
