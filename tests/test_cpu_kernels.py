@@ -3,8 +3,6 @@ float64 product of the same values in every code path this CPU has, and row-coun
 against the XLA reference for every cache form, and invariant to the batch, the chunk and the cache length; their use
 in `layers.linear` and the engine (single-device programs only); the build: fallback without a compiler, the cache,
 its build key, an unwritable cache."""
-import ctypes
-import ctypes.util
 import dataclasses
 import logging
 import os
@@ -331,13 +329,45 @@ def test_attention_of_a_query_is_the_same_bits_whatever_shares_the_call(cache_fo
         assert np.array_equal(np.asarray(shorter)[0, 0], chunk[row, i]), (row, i)
 
 
+def expf_model(x) -> np.ndarray:
+    """csrc/attention.cc's ExpF in numpy float32, one rounding per operation, for x <= 0."""
+    f = lambda h: np.float32(float.fromhex(h))  # noqa: E731 (the kernel's hex constants, exactly)
+    x = np.asarray(x, np.float32)
+    with np.errstate(invalid="ignore"):  # -inf - -inf in the lanes the cut below replaces
+        return _expf_model(x, f)
+
+
+def _expf_model(x: np.ndarray, f) -> np.ndarray:
+    big = f("0x1.8p23")
+    shifted = x * f("0x1.715476p+0") + big
+    n = shifted - big
+    r = x - n * f("0x1.63p-1")
+    r = r - n * f("-0x1.bd0106p-13")
+    p = np.full_like(x, f("0x1.a0d2cep-13"))
+    for c in ("0x1.6e879cp-10", "0x1.11121p-7", "0x1.555382p-5", "0x1.555554p-3", "0x1p-1"):
+        p = p * r + f(c)
+    p = (p * (r * r) + r) + np.float32(1)
+    scale = ((shifted.view(np.uint32) - np.uint32(0x4B400000) + np.uint32(127)) << np.uint32(23)).view(np.float32)
+    return np.where(x < f("-0x1.5d3334p+6"), np.float32(0), p * scale)
+
+
+def test_the_kernels_exp_is_within_2_ulp_of_exp():
+    """expf_model (the kernel's ExpF, pinned by the attention model test) over [-87.3, 0], its cut below and NaN:
+    within 2 ulp of the float64 exp, exactly 1 at 0, 0 below the normal range, NaN kept."""
+    x = np.concatenate([-np.geomspace(1e-8, 87.29, 200_000), np.linspace(-87.29, 0, 200_001)]).astype(np.float32)
+    got, want = expf_model(x).astype(np.float64), np.exp(x.astype(np.float64))
+    ulp = np.spacing(want.astype(np.float32)).astype(np.float64)
+    assert np.abs(got - want).max(initial=0) <= 2 * ulp.max(initial=0) and (np.abs(got - want) <= 2 * ulp).all()
+    assert expf_model(np.float32(0)) == 1 and expf_model(np.float32(-0.0)) == 1
+    assert (expf_model(np.array([-87.31, -100, -np.inf], np.float32)) == 0).all()
+    assert np.isnan(expf_model(np.array([np.nan], np.float32))).all()
+
+
 def attention_model(q, k, v, slots, starts, lengths, sm_scale) -> np.ndarray:
     """numpy's model of csrc/attention.cc's steps for a float32 query and cache, one float32 operation at a time
     (numpy rounds each, as the kernel built without contraction does): per query row its scores over keys 0..pos,
-    each a head-dim dot in 8 lanes then the kernel's tree, times sm_scale; the max; libm's expf of each score less
+    each a head-dim dot in 8 lanes then the kernel's tree, times sm_scale; the max; the kernel's exp of each score less
     it and their sum in key order; P @ V summed in key order per output element; divided by the sum."""
-    libm = ctypes.CDLL(ctypes.util.find_library("m"))
-    libm.expf.restype, libm.expf.argtypes = ctypes.c_float, [ctypes.c_float]
     q, k, v = (np.asarray(a, np.float32) for a in (q, k, v))
     batch, queries, heads, dim = q.shape
     group, scale, lanes = heads // k.shape[1], np.float32(sm_scale), dim // 8 * 8
@@ -356,7 +386,7 @@ def attention_model(q, k, v, slots, starts, lengths, sm_scale) -> np.ndarray:
             for j in range(lanes, dim):
                 dot = dot + q[b, i, h, j] * keys[t, j]
             scores[t] = dot * scale
-        exps = np.array([libm.expf(float(s - scores.max())) for s in scores], np.float32)
+        exps = expf_model(scores - scores.max())
         total, weighted = np.float32(0), np.zeros(dim, np.float32)
         for t in range(n):
             total = total + exps[t]
