@@ -395,9 +395,9 @@ def attention_model(q, k, v, slots, starts, lengths, sm_scale) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("group,head_dim,starts,lengths", [(2, 64, [5, 0, 60], [10, 7, 4]), (1, 64, [3, 9, 1], [1, 1, 1]),
-                                                          (3, 24, [5, 0, 60], [10, 7, 4]), (2, 40, [70, 2, 11], [1, 1, 1]),
-                                                          (2, 64, [66, 30, 60], [10, 10, 10])])
+@pytest.mark.parametrize("group,head_dim,starts,lengths", [
+    (2, 64, [5, 0, 60], [10, 7, 4]), (1, 64, [3, 9, 1], [1, 1, 1]), (3, 24, [5, 0, 60], [10, 7, 4]),
+    (2, 40, [70, 2, 11], [1, 1, 1]), (2, 64, [66, 30, 60], [10, 10, 10])])
 def test_attention_is_its_numpy_model_bit_for_bit(group, head_dim, starts, lengths):
     """The kernel's summation order, pinned: bitwise its numpy model at prefill and decode rows, heads sharing a kv
     head or not, head dims with and without a tail past the 8 lanes: any reordering of a dot, the softmax sum or

@@ -204,7 +204,8 @@ PJ_ATTN_AVX2_FN void Dot8(const float* q, const float* key, int64_t D, float* ou
 
 // o[0, 8 NV) += sum over keys t < n, in order, of w[t] * v[t * D + (0, 8 NV)].
 template <int NV>
-PJ_ATTN_AVX2_FN inline __attribute__((always_inline)) void Weighted(const float* v, int64_t D, const float* w, int64_t n, float* o) {
+PJ_ATTN_AVX2_FN inline __attribute__((always_inline)) void Weighted(const float* v, int64_t D, const float* w,
+                                                                      int64_t n, float* o) {
   __m256 a[NV];
   for (int u = 0; u < NV; ++u) a[u] = _mm256_loadu_ps(o + 8 * u);
   for (int64_t t = 0; t < n; ++t) {
