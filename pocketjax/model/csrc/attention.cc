@@ -30,14 +30,11 @@
 
 #include "xla/ffi/api/ffi.h"
 
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(POCKETJAX_PORTABLE_ONLY)
-#include <immintrin.h>
-#endif
-
 namespace ffi = xla::ffi;
 
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(POCKETJAX_PORTABLE_ONLY)
 #define PJ_ATTN_AVX2 1
+#include <immintrin.h>
 #else
 #define PJ_ATTN_AVX2 0
 #endif
