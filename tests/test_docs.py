@@ -1,7 +1,9 @@
 """The docs a newcomer reads: every relative link in README.md, docs/ and benchmarks/README.md reaches a file, and
-the heading it names where it names one; docs/architecture.md names every module of the package.
+the heading it names where it names one; docs/architecture.md names every module of the package, and README's module
+map ("Where things live") names every module and nothing else.
 
-`python tests/test_docs.py` prints each broken link and each module the architecture does not name.
+`python tests/test_docs.py` prints each broken link, each module the architecture does not name and each difference
+between README's map and the package.
 """
 import re
 from pathlib import Path
@@ -68,6 +70,64 @@ def unnamed_modules(root: Path = ROOT) -> list[str]:
     return missing
 
 
+def readme_map(readme: str) -> tuple[set[str], list[str]]:
+    """The modules README's "Where things live" map names, as paths (`pocketjax/engine/plan.py`), and the items it
+    lists that are not module names. The map's form: a line starting `pocketjax/<folder>/` opens an entry, indented
+    lines continue it; an optional note ends with a colon; then the folder's modules, separated by `,` or `+`, each
+    with an optional (description)."""
+    section = readme.split("## Where things live", 1)[1]
+    fence = section.split("```", 2)[1]
+    entries: list[list[str]] = []
+    for line in fence.splitlines():
+        if line.startswith("pocketjax/"):
+            folder, _, rest = line.partition(" ")
+            entries.append([folder, rest])
+        elif line[:1].isspace() and entries:
+            entries[-1][1] += " " + line
+        elif line.strip():
+            entries.append(["", ""])  # pallas_kernels/, tests/ ...: not the package
+    named, odd = set(), []
+    for folder, text in (e for e in entries if e[0]):
+        while re.search(r"\([^()]*\)", text):
+            text = re.sub(r"\([^()]*\)", "", text)
+        for item in re.split(r"[,+]", text.rpartition(":")[2]):
+            name = item.strip()
+            if re.fullmatch(r"[A-Za-z_]\w*", name):
+                named.add(f"{folder}{name}.py")
+            else:
+                odd.append(f"{folder} {name!r}")
+    return named, odd
+
+
+def readme_map_differences(root: Path = ROOT) -> list[str]:
+    """Each module of the package (pocketjax/**/*.py but __init__.py) README's map leaves out, each module it names
+    that does not exist, and each item of it that is not a module name."""
+    named, odd = readme_map((root / "README.md").read_text())
+    modules = {p.relative_to(root).as_posix() for p in (root / "pocketjax").rglob("*.py") if p.name != "__init__.py"}
+    return ([f"not in the map: {m}" for m in sorted(modules - named)]
+            + [f"in the map, no such module: {m}" for m in sorted(named - modules)]
+            + [f"not a module name: {item}" for item in odd])
+
+
+def test_readme_map_names_every_module_and_nothing_else():
+    differences = readme_map_differences()
+    assert not differences, ("README.md's \"Where things live\" differs from the package: " + "; ".join(differences))
+
+
+def test_a_readme_map_difference_is_reported(tmp_path):
+    for module in ("__init__.py", "errors.py", "engine/plan.py", "engine/runner.py", "serve/http/server.py"):
+        (tmp_path / "pocketjax" / module).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pocketjax" / module).write_text("")
+    (tmp_path / "README.md").write_text(
+        "## Where things live\n\n```\npocketjax/           errors (the errors: all of them)\n"
+        "pocketjax/engine/    a note: plan (the step rules: buckets, (nested) signatures) +\n"
+        "                     warmup, two words\npocketjax/serve/http/\n                     server\n"
+        "pallas_kernels/      runner\n```\n## Next\nrunner\n")
+    assert readme_map_differences(tmp_path) == ["not in the map: pocketjax/engine/runner.py",
+                                                "in the map, no such module: pocketjax/engine/warmup.py",
+                                                "not a module name: pocketjax/engine/ 'two words'"]
+
+
 def test_architecture_names_every_module():
     missing = unnamed_modules()
     assert not missing, (f"docs/architecture.md does not name {', '.join(missing)}: add a line for each to its map "
@@ -104,3 +164,4 @@ def test_a_module_missing_from_the_architecture_is_named(tmp_path):
 if __name__ == "__main__":
     print("\n".join(broken_links()) or "every link resolves")
     print("\n".join(f"docs/architecture.md does not name {m}" for m in unnamed_modules()) or "every module is named")
+    print("\n".join(f"README.md's map: {d}" for d in readme_map_differences()) or "README's map is the package's")

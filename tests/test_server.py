@@ -5,6 +5,7 @@ log-probabilities recomputed from `pj.logits` (a causal forward without the cach
 """
 import dataclasses
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -341,3 +342,86 @@ def test_bench_serve_client_counts_every_token(server):
     traces, failed = asyncio.run(http_stream(server.url, items))
     assert failed == 0 and [len(t.token_times) for t in traces] == [5, 3]
     assert all(t.token_times[0] >= t.submitted for t in traces)
+
+
+def get(url: str) -> tuple[int, dict, bytes]:
+    """A raw GET: status, headers, body (errors included)."""
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), error.read()
+
+
+def test_a_warming_server_listens_reports_progress_and_refuses_generation(llm):
+    """Issue 67: `serve` listens at once; until warm-up is done /health is 503 with its progress, the generation
+    routes are 503 with Retry-After (in their API's error shape), the others answer; then /health is 200 and the
+    routes serve."""
+    from pocketjax.serve.http.readiness import RETRY_AFTER_S, Readiness
+
+    release = threading.Event()
+
+    def warm(progress):  # stands for engine.warmup: 1 of 3 shapes compiled, then waits to be released
+        progress(1, 3)
+        assert release.wait(60)
+        progress(3, 3)
+
+    readiness = Readiness()
+    with BackgroundServer(create_app(llm, readiness=readiness)) as server:
+        readiness.start(warm)
+        assert wait_until(lambda: readiness.done == 1)
+        status, _, body = get(server.url + "/health")
+        assert status == 503 and json.loads(body)["status"] == "warming"
+        assert json.loads(body)["progress"] == {"done": 1, "total": 3}
+        for path, body_ in (("/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 2}),
+                            ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "x"}]}),
+                            ("/v1/responses", {"model": NAME, "input": "x"}),
+                            ("/v1/messages", {"model": NAME, "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "x"}]})):
+            request = urllib.request.Request(server.url + path, data=json.dumps(body_).encode(),
+                                             headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(request, timeout=60)
+            error = json.loads(refused.value.read())
+            assert refused.value.code == 503 and refused.value.headers["Retry-After"] == str(RETRY_AFTER_S), path
+            assert "warming up" in (error["error"]["message"]), path
+            assert (error.get("type") == "error") == (path == "/v1/messages"), path  # Anthropic's shape there
+        assert get(server.url + "/v1/models")[0] == 200  # no engine step: served while warming
+        assert post(server.url + "/tokenize", json.dumps({"model": NAME, "prompt": "def f"}).encode())[0] == 200
+        assert not llm.started  # nothing drove the engine beside the warm-up
+        release.set()
+        assert wait_until(lambda: get(server.url + "/health")[0] == 200)
+        assert json.loads(get(server.url + "/health")[2])["status"] == "ok"
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        assert c.completions.create(model=NAME, prompt="def f(x):", max_tokens=2, temperature=0).choices[0].text
+
+
+def test_a_failed_warmup_keeps_health_at_503(llm):
+    from pocketjax.serve.http.readiness import Readiness
+
+    def warm(progress):
+        raise RuntimeError("out of memory compiling prefill")
+
+    readiness = Readiness()
+    with BackgroundServer(create_app(llm, readiness=readiness)) as server:
+        readiness.start(warm).join(30)
+        status, _, body = get(server.url + "/health")
+        assert status == 503 and json.loads(body)["status"] == "failed" and "out of memory" in json.loads(body)["error"]
+        assert post(server.url + "/v1/completions", json.dumps({"model": NAME, "prompt": "x"}).encode())[0] == 503
+
+
+def test_cli_serve_warms_up_while_listening(monkeypatch):
+    """The default `pocketjax serve` builds the LLM without warming it up and hands the warm-up to `serve`, which
+    runs it beside the listening server (before issue 67 the LLM warmed up first and only then listened)."""
+    from pocketjax.engine.engine import Engine
+    from pocketjax.serve import cli
+    from pocketjax.serve.http import server
+
+    events = []
+    monkeypatch.setattr(Engine, "warmup", lambda self, *a, **kw: events.append("warmup") or 0)
+    monkeypatch.setattr(server, "serve", lambda llm, host, port, **kw: events.append(("serve", kw["warmup"])))
+    assert cli.main(["serve", "--max-batch-size", "2", "--max-seq-len", "64"]) == 0
+    assert events == [("serve", True)]
+    events.clear()
+    assert cli.main(["serve", "--no-warmup", "--max-batch-size", "2", "--max-seq-len", "64"]) == 0
+    assert events == [("serve", False)]

@@ -8,7 +8,7 @@ device (`steps.SlotState`), so any requests can share a step queued behind steps
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -423,7 +423,7 @@ class Engine(SpeculativeSteps):
         return generated >= req.sampling.max_tokens or len(req.prompt_tokens) + generated >= self.max_seq_len
 
     def warmup(self, progress: bool = True, prompt_logprobs: bool = False, steering: bool = False,
-               return_hidden: bool = False) -> int:
+               return_hidden: bool = False, progress_callback: Callable[[int, int], None] | None = None) -> int:
         """Compile every step shape this engine can call (`plan.signatures`), so no request waits for a compile;
         returns how many were new. Run it while nothing else drives the engine, and again after
         `allocate_batch_slots`. `prompt_logprobs` also compiles the prefill variant that scores prompt tokens
@@ -431,9 +431,9 @@ class Engine(SpeculativeSteps):
         llguidance's tokenizer built too. `steering` compiles the forward steps of requests with
         `SamplingParams.steer` (one program per shape, whatever the vectors), `return_hidden` those of requests with
         `SamplingParams.return_hidden` (one per shape, whatever the layers). Slots, their cached tokens and the slot
-        state are unchanged."""
+        state are unchanged. `progress_callback(done, total)` after each call (a server reports it on /health)."""
         new = self.device.warmup(self.rules, progress, prompt_logprobs, self.constrainer is not None, steering,
-                                 return_hidden)
+                                 return_hidden, progress_callback)
         if self.constrainer is not None:  # llguidance's view of the vocabulary, built once
             self.constrainer.prepare()
         return new

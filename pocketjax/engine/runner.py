@@ -117,7 +117,8 @@ class Device:
         return kind.function.lower(*lead, plan, config=self.config, impl=self.impl)
 
     def warmup(self, rules: StepRules, progress: bool = True, prompt_logprobs: bool = False,
-               structured: bool = False, steering: bool = False, return_hidden: bool = False) -> int:
+               structured: bool = False, steering: bool = False, return_hidden: bool = False,
+               progress_callback: Callable[[int, int], None] | None = None) -> int:
         """Compile every signature of `rules` (`plan.signatures`) with plans that write nothing, so slots, their
         cached prefixes and the slot state are unchanged; returns how many were new (0 once warm).
 
@@ -125,6 +126,7 @@ class Device:
         Requests with `prompt_logprobs` compile their prefill variant on first use unless `prompt_logprobs=True`
         compiles it here too; `structured` compiles the masked samplers (structured outputs) as well; `steering` the
         forward steps with steering vectors, `return_hidden` the prefill and decode steps that return the stream.
+        `progress_callback(done, total)` after each call (a server's /health reports it while warming up).
         """
         before = compiled_count()
         logits: dict[tuple[str, int], Any] = {}  # (kind of logits, rows) -> the latest forward step's
@@ -133,7 +135,7 @@ class Device:
             # return them in another form (on a mesh, the state comes back replicated over it): run both again
             calls += [calls[0], next(c for c in calls if c.step == "sample_first")]
         bar = tqdm(calls, desc="pocketjax warm-up", unit="shape", disable=not progress)
-        for call in bar:
+        for done, call in enumerate(bar, 1):
             bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in call._asdict().items() if v), refresh=False)
             kind = STEP_KINDS[call.step]
             if kind.feeds == "copy":  # slot 0 onto itself, its own length: nothing changes
@@ -143,5 +145,7 @@ class Device:
             else:
                 out = self.run(call.step, kind.empty(rules, call))
                 logits[kind.logits, call.rows] = out[0] if isinstance(out, tuple) else out  # (prefill, decode: tuples)
+            if progress_callback is not None:
+                progress_callback(done, len(calls))
         jax.block_until_ready((self.cache, self.state))
         return compiled_count() - before

@@ -45,8 +45,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         help='speculative decoding (vLLM\'s spelling), e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile every engine shape before the first request (default: on for serve, which only "
-                        "then listens, so no client waits for a compile; off for generate and chat)")
+                   help="compile every engine shape before the first request (default: on for serve, which listens "
+                        "at once: /health answers 503 'warming' with its progress and generation routes 503 with "
+                        "Retry-After until it is done, so no client waits for a compile; off for generate and chat)")
     job = p.add_argument_group("multi-process job (jax.distributed; unset: one process). Start the same command in "
                                "every process: process 0 takes the requests and prints, the others follow it")
     job.add_argument("--num-processes", dest="num_processes", type=int, help="processes in the job ($JAX_NUM_PROCESSES)")
@@ -94,12 +95,20 @@ def follows(llm) -> bool:
 def make_llm(args: argparse.Namespace):
     from .llm import LLM
     return LLM(args.model, engine_config(args), dtype=args.dtype, tp=args.tp, quantize=args.quantize,
-               revision=args.revision, warmup=warms_up(args), scan_layers=scan_layers(args))
+               revision=args.revision, warmup=warms_up(args) and not warms_up_listening(args),
+               scan_layers=scan_layers(args))
 
 
 def warms_up(args: argparse.Namespace) -> bool:
     """--warmup / --no-warmup, else on for `serve` only (vLLM warms up before it reports ready)."""
     return args.warmup if args.warmup is not None else args.command == "serve"
+
+
+def warms_up_listening(args: argparse.Namespace) -> bool:
+    """Whether `serve` warms up while it listens (`http.readiness`) rather than before: one process only (in a
+    multi-process job every process steps in lockstep from the LLM's construction, so it warms up there)."""
+    from .distributed import ProcessGroup
+    return args.command == "serve" and warms_up(args) and ProcessGroup.current() is None
 
 
 def scan_layers(args: argparse.Namespace) -> bool | str:
@@ -171,7 +180,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 0
         serve(llm, args.host, args.port, api_key=api_key, max_waiting=args.max_waiting, log_level=args.log_level,
               model_name=args.served_model_name or args.model or default_model_name(llm),
-              trust_request_chat_template=args.trust_request_chat_template, limits=limits)
+              trust_request_chat_template=args.trust_request_chat_template, limits=limits,
+              warmup=warms_up_listening(args))
     return 0
 
 

@@ -1,6 +1,7 @@
 """The HTTP server: `create_app` assembles one FastAPI app over one LLM (the key and body guard, the error
 handlers, the metrics, and the routers: OpenAI's completions and chat, Responses, Anthropic Messages, the tokenizer
-routes, /v1/models, /health, /metrics); `serve` runs it under uvicorn, `BackgroundServer` on a thread.
+routes, /v1/models, /health, /metrics); `serve` runs it under uvicorn, listening at once while the engine warms up
+(readiness.py), `BackgroundServer` on a thread.
 
 FastAPI on uvicorn, as vLLM serves: pydantic request models give OpenAI-shaped 400s for free, and uvicorn's
 ASGI 2.3 interface tells a streaming response when its client leaves. Each router takes the app's `ServeContext`
@@ -15,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, FastAPI
+from fastapi.responses import JSONResponse
 
 from ...errors import ConfigError
 from .anthropic_messages import anthropic_error, messages_router
@@ -22,6 +24,7 @@ from .completions import completions_router
 from .context import ServeContext
 from .http_guard import HTTP_PROTOCOL, HTTPGuard, ServerLimits
 from .metrics import HTTPCounter, RequestMetrics, metrics_router
+from .readiness import Readiness, WarmupGate
 from .replies import install_error_handlers
 from .responses import responses_router
 from .tokenization import tokenization_router
@@ -35,13 +38,15 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None = None,
                max_waiting: int | None = None, trust_request_chat_template: bool = False,
-               limits: ServerLimits | None = None) -> FastAPI:
+               limits: ServerLimits | None = None, readiness: Readiness | None = None) -> FastAPI:
     """A FastAPI app serving `llm` (whose scheduler it shares with any other caller); `api_key` guards every route
     but /health and /metrics, checked before the body is read (`HTTPGuard`).
 
     `max_waiting` bounds the scheduler's queue: past it a request gets 429 at once instead of waiting.
     `trust_request_chat_template` lets `chat_template_kwargs.chat_template` replace the checkpoint's template (a
     template is code; off, such a request gets 400). `limits`: body, prompt and connection bounds (ServerLimits).
+    `readiness`: the engine's warm-up, when it runs beside the server (`serve`): until it is done /health answers 503
+    with its progress and the generation routes 503 with Retry-After; None: ready now.
     """
     if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
         raise ConfigError("api_key must be a non-empty string (None: no key)")
@@ -53,9 +58,12 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
             raise ConfigError(f"max_waiting must be a positive integer, got {max_waiting!r}")
         llm.scheduler.max_waiting = max_waiting
     name = model_name or default_model_name(llm)
+    readiness = Readiness() if readiness is None else readiness
     app = FastAPI(title="pocketjax", version="0.1.0")
     install_error_handlers(app)
-    app.add_middleware(HTTPGuard, api_key=api_key, limits=limits, error_shapes={"/v1/messages": anthropic_error})
+    shapes = {"/v1/messages": anthropic_error}
+    app.add_middleware(WarmupGate, readiness=readiness, error_shapes=shapes)  # inside the guard: the key comes first
+    app.add_middleware(HTTPGuard, api_key=api_key, limits=limits, error_shapes=shapes)
     metrics = app.state.metrics = RequestMetrics(llm, name)
     app.add_middleware(HTTPCounter, metrics=metrics)
     ctx = app.state.context = ServeContext(llm, name, limits, metrics, int(time.time()),
@@ -66,7 +74,10 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
         llm.engine.constrainer.prepare()
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
+    async def health() -> Any:
+        """200 and the queue once ready; 503 and the warm-up's progress before (readiness probes wait on it)."""
+        if not readiness.ready:
+            return JSONResponse(readiness.health(), status_code=503)
         sched = llm.scheduler
         return {"status": "ok", "running": len(sched.running), "waiting": len(sched.waiting),
                 "free_slots": llm.engine.num_free_slots}
@@ -111,8 +122,10 @@ def default_model_name(llm: LLM) -> str:
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
           model_name: str | None = None, max_waiting: int | None = None, log_level: str = "info",
-          trust_request_chat_template: bool = False, limits: ServerLimits | None = None) -> None:
-    """Serve `llm` until interrupted (the CLI's `pocketjax serve`), with `limits` on bodies and connections."""
+          trust_request_chat_template: bool = False, limits: ServerLimits | None = None, warmup: bool = False) -> None:
+    """Serve `llm` until interrupted (the CLI's `pocketjax serve`), with `limits` on bodies and connections.
+    `warmup`: compile every engine shape on a thread while already listening (`Readiness`); `llm` must not have
+    started its scheduler (nothing else may drive the engine meanwhile)."""
     import uvicorn
 
     if api_key is None and host not in LOOPBACK:
@@ -121,8 +134,14 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *, api_key: str |
         log.warning("--trust-request-chat-template: clients may render their own chat templates (bounded in time "
                     "and size, but code all the same)")
     limits = ServerLimits() if limits is None else limits
+    if warmup and llm.started:
+        raise ConfigError("serve(warmup=True) needs an LLM whose scheduler has not started (it would drive the "
+                          "engine beside the warm-up): warm it up first, or pass warmup=False")
+    readiness = Readiness()
     app = create_app(llm, model_name=model_name, api_key=api_key, max_waiting=max_waiting,
-                     trust_request_chat_template=trust_request_chat_template, limits=limits)
+                     trust_request_chat_template=trust_request_chat_template, limits=limits, readiness=readiness)
+    if warmup:  # listening from now on; /health is 503 "warming" until it is done
+        readiness.start(lambda progress: llm.engine.warmup(progress_callback=progress))
     options = limits.uvicorn_options()
     log.info("HTTP: uvicorn's %s, at most %d connections", HTTP_PROTOCOL.__name__, limits.connections())
     uvicorn.run(app, host=host, port=port, log_level=log_level, **options)
