@@ -9,6 +9,7 @@ weak: it writes Python, never a call of its own, so every call here is forced (t
 grammar (vLLM's structured_outputs extra); the agent's last turn ends at a stop string ("\\n\\n") rather than at
 max_tokens, which the Responses model would report as an incomplete response."""
 import json
+from typing import Literal
 
 import jsonschema
 import openai
@@ -96,15 +97,58 @@ def test_required_choice(client):
     assert chat(client, stream=True, **ping) == (content, calls, reason)
 
 
-def test_a_forced_call_cut_by_max_tokens_is_no_content(client):
-    """Cut inside its arguments, the call keeps what was written (a prefix of the whole call's arguments), content
-    stays null and finish_reason says "length", streamed or not; cut before its name is complete, no call."""
+def test_a_forced_call_cut_by_max_tokens_is_text_and_replays(client):
+    """Cut inside its arguments, the answer returns no call whose JSON never closed: its text as the model wrote it
+    is the content, finish_reason "length"; a stream has sent the call's pieces before the cut and keeps them (a
+    prefix of the whole call's arguments). Both answers come back as history (openai-agents sends the call with its
+    unclosed arguments) and are answered, never refused. Cut before its name is complete: no call, no content."""
     _, [(_, whole)], _ = chat(client, tool_choice=ADD_CHOICE)
+    content, calls, reason = chat(client, tool_choice=ADD_CHOICE, max_tokens=20)
+    head = '<tool_call>\n{"name": "add", "arguments": '
+    assert calls == [] and reason == "length" and content.startswith(head)
+    cut = content[len(head):]
+    assert whole.startswith(cut) and cut != whole
+    assert chat(client, True, tool_choice=ADD_CHOICE, max_tokens=20) == (None, [("add", cut)], "length")
     for stream in (False, True):
-        content, calls, reason = chat(client, stream, tool_choice=ADD_CHOICE, max_tokens=20)
-        assert content is None and reason == "length" and len(calls) == 1
-        assert calls[0][0] == "add" and whole.startswith(calls[0][1]) and calls[0][1] != whole
         assert chat(client, stream, tool_choice=ADD_CHOICE, max_tokens=3) == (None, [], "length")
+    replayed = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": cut}}]}
+    for turn in ([replayed, {"role": "tool", "tool_call_id": "call_1", "content": "5"}],
+                 [{"role": "assistant", "content": content}]):
+        history = ASK + turn + [{"role": "user", "content": "and?"}]
+        assert chat(client, messages=history, tool_choice="none", max_tokens=2)[2] in ("stop", "length")
+
+
+@pytest.mark.parametrize("stop", [["\n"], ['"', "}"], [", "]])
+def test_stop_strings_never_cut_a_forced_call(client, stop):
+    """A stop string the forced call holds ("\\n" before its JSON, a quote or a brace inside it) never cuts it: the
+    answer is the call made without stops, streamed or not (it used to be no call, or broken JSON); "required"
+    alike."""
+    for choice in (ADD_CHOICE, "required"):
+        whole = chat(client, tool_choice=choice, parallel_tool_calls=False)
+        assert whole[2] == "tool_calls" and len(whole[1]) == 1
+        assert choice != ADD_CHOICE or any(s in whole[1][0][1] or s == "\n" for s in stop)  # the call holds a stop
+        for stream in (False, True):
+            assert chat(client, stream, tool_choice=choice, parallel_tool_calls=False, stop=stop) == whole
+
+
+def test_a_forced_tool_takes_an_output_format(client):
+    """openai-agents sends an Agent's output type on every turn: a forced tool_choice with response_format is
+    accepted and answered with the forced call (the format is for the text turns after it), streamed or not; the
+    format still applies without the forced choice. vLLM's structured_outputs, a constraint for this very answer,
+    stays a 400 naming it."""
+    schema = {"type": "object", "properties": {"status": {"enum": ["done"]}}, "required": ["status"]}
+    formats = [{"type": "json_schema", "json_schema": {"name": "done", "schema": schema, "strict": True}},
+               {"type": "json_object"}]
+    whole = chat(client, tool_choice=ADD_CHOICE)
+    for response_format in formats:
+        for stream in (False, True):
+            assert chat(client, stream, tool_choice=ADD_CHOICE, response_format=response_format) == whole
+    content, calls, _ = chat(client, tool_choice="auto", response_format=formats[0], max_tokens=20)
+    assert json.loads(content) == {"status": "done"} and calls == []
+    with pytest.raises(openai.BadRequestError) as raised:
+        chat(client, tool_choice="required", extra_body={"structured_outputs": {"json": schema}})
+    assert raised.value.body["param"] == "structured_outputs"
 
 
 @pytest.mark.parametrize("arguments, calls", [('{"a": 1, "b": 2}', [("add", '{"a": 1, "b": 2}')]),
@@ -141,8 +185,13 @@ def test_legacy_functions_answer_with_function_call(client):
     assert raised.value.body["param"] == "tools"
 
 
+class Done(pydantic.BaseModel):
+    status: Literal["done"]
+
+
+@pytest.mark.parametrize("output_type", [None, Done])
 @pytest.mark.parametrize("api", ["chat_completions", "responses"])
-def test_agents_sdk_runs_a_tool_to_its_final_output(server_client, api):
+def test_agents_sdk_runs_a_tool_to_its_final_output(server_client, api, output_type):
     """The OpenAI Agents SDK's agent loop with a function tool, tool choice forced: the first turn calls `add`
     (the SDK parses the arguments and runs it), the SDK sends the result back and, its tool choice reset to auto
     after the call, the model's text is the final output. Over chat completions and over the Responses API (the
@@ -163,14 +212,19 @@ def test_agents_sdk_runs_a_tool_to_its_final_output(server_client, api):
     server, _ = server_client
     client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     model = (OpenAIChatCompletionsModel if api == "chat_completions" else OpenAIResponsesModel)(NAME, client)
+    # the stop string ends the free text turn (a forced call is never cut by it); with an output type, sent on both
+    # turns with the forced tool, its schema ends the text turn
     agent = Agent(name="calculator", instructions="Add numbers with the add tool.", tools=[add], model=model,
-                  model_settings=ModelSettings(tool_choice="add", temperature=0, max_tokens=40,
-                                               extra_body={"stop": ["\n\n"]}))
+                  output_type=output_type, model_settings=ModelSettings(
+                      tool_choice="add", temperature=0, max_tokens=40, extra_body={"stop": ["\n\n"]}))
     result = Runner.run_sync(agent, "add 2 and 3", max_turns=3)
     assert len(seen) == 1 and all(isinstance(x, int) for x in seen[0])
     assert [type(item) for item in result.new_items] == [ToolCallItem, ToolCallOutputItem, MessageOutputItem]
     assert result.new_items[1].output == sum(seen[0])
-    assert isinstance(result.final_output, str) and "<tool_call>" not in result.final_output
+    if output_type is None:
+        assert isinstance(result.final_output, str) and "<tool_call>" not in result.final_output
+    else:
+        assert result.final_output == Done(status="done")
     assert len(result.raw_responses) == 2
 
 

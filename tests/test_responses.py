@@ -92,7 +92,7 @@ def test_messages_and_instructions_streamed(llm, client):
     ({"tools": [{"type": "web_search"}]}, "tools"),  # built-in tools: only function tools run here
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "nope"}}]}, "tools"),
     ({"tools": [ADD_TOOL], "tool_choice": {"type": "function", "name": "mul"}}, "tool_choice"),
-    ({"tools": [ADD_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}}, "text"),
+    ({"tools": [ADD_TOOL], "tool_choice": "required", "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text"),  # no name
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}}, "text"),
@@ -106,6 +106,10 @@ def test_messages_and_instructions_streamed(llm, client):
     ({"input": "x" * 100_000}, "input"),  # over --max-prompt-chars: refused before the template renders it
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),  # the other endpoints' constraint fields
     ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"max_tokens": 3}, "max_tokens"),  # chat's name: max_output_tokens here (it was ignored: 242 tokens came)
+    ({"frobnicate_logits": True}, "frobnicate_logits"),  # any field this body does not declare
+    ({"max_tool_calls": 1}, "max_tool_calls"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
 ])
 def test_unsupported_fields_are_400_naming_them(server, client, extra, param):
     body = {"model": NAME, "input": "x", **extra}
@@ -172,3 +176,43 @@ def test_input_items_become_the_chat_conversation():
                            {"role": "assistant", "content": "Adding.", "tool_calls": calls},
                            {"role": "tool", "tool_call_id": "call_1", "content": "5"},
                            {"role": "tool", "tool_call_id": "call_2", "content": "0"}]
+
+
+FORCED = dict(model=NAME, input="add 2 and 3", tools=[ADD_TOOL], tool_choice={"type": "function", "name": "add"},
+              max_output_tokens=60, temperature=0)
+
+
+def test_a_forced_tool_takes_a_text_format_stops_and_harmless_fields(client):
+    """openai-agents sends an Agent's output type (text.format) on every turn, its forced one included, and a stop
+    string can sit inside a call: a forced tool_choice answers with the same function_call item whatever format,
+    stop strings and harmless fields (user, metadata, store, caching hints) come with it."""
+    plain = items(client.responses.create(**FORCED))
+    assert [item[0] for item in plain] == ["function_call"]
+    done = {"type": "object", "properties": {"status": {"enum": ["done"]}}, "required": ["status"]}
+    for text in ({"format": {"type": "json_schema", "name": "done", "schema": done, "strict": True}},
+                 {"format": {"type": "json_object"}}):
+        assert items(client.responses.create(**FORCED, text=text)) == plain
+    assert items(client.responses.create(**FORCED, extra_body={"stop": ["\n", '"']})) == plain
+    out = client.responses.create(**FORCED, user="u1", metadata={"k": "v"}, store=False,
+                                  extra_body={"service_tier": "auto", "prompt_cache_key": "p"})
+    assert items(out) == plain and out.metadata == {"k": "v"} and out.user == "u1"
+
+
+def test_a_call_cut_short_is_a_message_and_replays(client):
+    """Cut inside its arguments by max_output_tokens, the response holds no function_call whose JSON never closed:
+    its text is a message item (status incomplete); a stream has sent the call's pieces and keeps them. The cut
+    call sent back as an input item (as openai-agents replays it) is answered, never refused."""
+    whole = items(client.responses.create(**FORCED))[0][3]
+    out = client.responses.create(**{**FORCED, "max_output_tokens": 20})
+    head = '<tool_call>\n{"name": "add", "arguments": '
+    assert out.status == "incomplete" and [item.type for item in out.output] == ["message"]
+    assert out.output[0].status == "incomplete" and out.output_text.startswith(head)
+    cut = out.output_text[len(head):]
+    assert whole.startswith(cut) and cut != whole
+    last = list(client.responses.create(**{**FORCED, "max_output_tokens": 20}, stream=True))[-1].response
+    assert items(last) == [("function_call", "incomplete", "add", cut)]
+    turn = [{"role": "user", "content": "add 2 and 3"},
+            {"type": "function_call", "call_id": "call_1", "name": "add", "arguments": cut},
+            {"type": "function_call_output", "call_id": "call_1", "output": "5"}]
+    answer = client.responses.create(model=NAME, input=turn, tools=[ADD_TOOL], max_output_tokens=2, temperature=0)
+    assert answer.status in ("completed", "incomplete")

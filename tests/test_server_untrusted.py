@@ -145,6 +145,27 @@ def test_the_key_is_checked_before_the_body(guarded):
     assert status in (200, 405)  # /health stays open without the key
 
 
+@pytest.mark.parametrize("first, second", [(b"Authorization: Bearer wrong", b"Authorization: Bearer KEY"),
+                                           (b"Authorization: Bearer KEY", b"authorization: Bearer wrong"),
+                                           (b"x-api-key: KEY", b"X-Api-Key: KEY")])
+def test_a_key_header_given_twice_is_400(guarded, first, second):
+    """Authorization (and x-api-key) hold one key: two of them are a malformed request whichever order, the right
+    key in either or both, never "any one matches"; one of each header is two fields, checked as before."""
+    body = json.dumps({"messages": MESSAGES, "max_tokens": 1}).encode()
+
+    def send(*headers: bytes) -> bytes:
+        head = b"".join(h.replace(b"KEY", KEY.encode()) + b"\r\n" for h in headers)
+        return raw(guarded, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   + head + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+    answer = send(first, second)
+    assert answer.startswith(b"HTTP/1.1 400") and b"more than once" in answer
+    one_each = urllib.request.Request(guarded.url + "/v1/chat/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}", "x-api-key": "wrong"})
+    with urllib.request.urlopen(one_each, timeout=120) as response:
+        assert response.status == 200
+
+
 def test_bodies_past_the_limit_are_413(guarded):
     answer = raw(guarded, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
                  + b"\r\nContent-Length: 2000000\r\n\r\n{")  # answered from the header, before the body

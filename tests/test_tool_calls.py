@@ -109,17 +109,26 @@ def test_blocks_that_are_not_calls_are_dropped():
 
 
 def test_an_answer_cut_inside_a_block():
-    """max_tokens inside a call: the call keeps the arguments written so far (vLLM returns a forced call cut short
-    the same way) and no markup reaches the content; cut before its name is complete, there is no call."""
+    """max_tokens inside a call's arguments: the whole answer has no call whose JSON never closed, its text as the
+    model wrote it is content (after the content before the first call, and whatever the cut); a stream has sent
+    the call's pieces before the cut is known and keeps them; cut before its name is complete, there is no call."""
     full = block(*CALLS[1])
     content, calls = parse(full[:-len(END)])  # the JSON was complete: a whole call
     assert content is None and [(c.name, c.arguments, c.complete) for c in calls] == [("add", '{"a": 1, "b": -2}',
                                                                                     True)]
     cut = full[:full.index('"b"') + 2]
-    content, calls = parse(cut)
-    assert content is None and [(c.name, c.arguments, c.complete) for c in calls] == [("add", '{"a": 1, "b', False)]
+    for at in range(len(cut) + 1):  # any streaming cut: the parser's text of the block is what the model wrote
+        assert parse(cut) == parse(cut, ToolCallParser(calls_only=True)) == (cut, [])
+        parser = ToolCallParser()
+        events = parser.feed(cut[:at]) + parser.feed(cut[at:]) + parser.finish()
+        assert [(c.arguments, c.complete, c.written) for c in parser.calls] == [('{"a": 1, "b', False, cut)]
     content, calls, _ = streamed(cut, [20, 45])
     assert content == "" and [c[1:] for c in calls] == [("add", '{"a": 1, "b')]
+    content, calls = parse("Hi " + block(*CALLS[0]) + "\n " + cut)
+    assert content == "Hi " + cut and [(c.name, c.complete) for c in calls] == [("get_weather", True)]
+    unclosed = full[:full.index(', "b"')] + "\n"  # the end tag where the arguments were still open
+    content, calls = parse(unclosed + END + "\n" + full)
+    assert content == unclosed and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b": -2}')]
     assert parse("Hi " + full[:len(START) + 12]) == ("Hi ", [])
     assert parse("Hi <tool") == ("Hi <tool", [])  # "auto": a tag cut short is text, as vLLM leaves it
     assert parse("<tool", ToolCallParser(calls_only=True)) == (None, [])  # a forced call cut short is no content
@@ -349,8 +358,84 @@ def test_template_messages_turn_openai_calls_into_template_form():
     out = template_messages(messages)
     assert out[1]["content"] == "" and out[1]["tool_calls"][0]["function"]["arguments"] == {"x": [1, "é"]}
     assert out[0] is messages[0] and out[2] is messages[2] and messages[1]["content"] is None  # input untouched
-    for arguments, why in [("{nope", "not JSON"), ("[1]", "JSON object")]:
-        bad = [{**messages[1], "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": arguments}}]}]
-        with pytest.raises(APIError, match=why) as raised:
-            template_messages(bad)
-        assert raised.value.param == "messages"
+    for arguments in ('{"a": 1, "b', "[1]", "oops"):  # a call cut short, replayed: the string it is
+        replayed = [{**messages[1], "tool_calls": [{"type": "function", "function": {"name": "f",
+                                                                                     "arguments": arguments}}]}]
+        assert template_messages(replayed)[0]["tool_calls"][0]["function"]["arguments"] == arguments
+    bad = [{**messages[1], "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": [1]}}]}]
+    with pytest.raises(APIError, match="must be a string") as raised:
+        template_messages(bad)
+    assert raised.value.param == "messages"
+
+
+def test_a_replayed_call_cut_short_renders_as_written(qwen3):
+    """A client sends back our own answer cut inside a call's arguments: Qwen3's template writes the arguments as
+    the text they are, so the prompt holds the call exactly as the model wrote it."""
+    tok, _ = qwen3
+    cut = '{"a": 1, "b'
+    messages = template_messages([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None,
+                                  "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add",
+                                                                                              "arguments": cut}}]},
+                                  {"role": "tool", "tool_call_id": "c", "content": "?"}])
+    rendered = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True)
+    assert f'{START}\n{{"name": "add", "arguments": {cut}}}\n{END}' in rendered
+
+
+def test_tool_choice_none_never_samples_the_call_tag(qwen3):
+    """tool_choice "none" still renders the tools, so the model may begin a call that nothing parses: its sampling
+    bans <tool_call> (Qwen's tokenizer: that one token, cleared in the mask at every step) beside the request's own
+    bad words; "auto" and a request constraining its own answer (its grammar's word) ban nothing."""
+    from pocketjax.engine.processors import limits_of
+    from pocketjax.serve.http.openai_protocol import ChatCompletionRequest
+
+    tok, _ = qwen3
+
+    def sampling(**fields):
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}],
+                                                     "tools": TOOLS, **fields})
+        structured, _ = body.constraint()
+        return body.sampling(8, structured=structured, tools=body.tool_request())
+
+    none = sampling(tool_choice="none", bad_words=["zz"])
+    assert none.bad_words == ("zz", START)
+    limits = limits_of(none, 151936, [tok.eos_token_id], tok)
+    allowed = np.unpackbits(limits.static.view(np.uint8), bitorder="little")
+    assert allowed[tok.token_id(START)] == 0 and allowed[tok.token_id(END)] == 1 and allowed.sum() < 151936
+    assert sampling(tool_choice="auto").bad_words == ()
+    assert sampling(tool_choice="none", structured_outputs={"regex": "<tool_call>"}).bad_words == ()
+
+
+def test_forced_calls_take_no_stops():
+    """A grammar-forced answer is calls: no stop string or stop token id is looked for in it (one inside a call cut
+    it into no call or broken JSON); "auto" and "none" keep the request's stops."""
+    from pocketjax.serve.http.openai_protocol import ChatCompletionRequest
+    from pocketjax.serve.http.tool_calls import answer_stops
+
+    for choice, kept in [("required", False), ({"type": "function", "function": {"name": "add"}}, False),
+                         ("auto", True), ("none", True)]:
+        body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS,
+                                                     "tool_choice": choice, "stop": "\n", "stop_token_ids": [13]})
+        sp = body.sampling(8, tools=body.tool_request())
+        assert (sp.stop, sp.stop_token_ids) == (((("\n",), (13,)) if kept else ((), ()))), choice
+    assert answer_stops(None, "\n") == ("\n",) and answer_stops(None, None) == ()
+
+
+def test_every_enforced_schema_is_closed_as_tool_schemas_are():
+    """One rule for every JSON schema the server enforces: response_format, text.format and structured_outputs.json
+    (an object or its text) are closed as a tool's parameters are (an object listing its properties allows no
+    others); a schema that allows others keeps its word."""
+    from pocketjax.serve.http.constraints import ResponseFormat, StructuredOutputs, TextFormat
+
+    person = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "home": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+    closed = close_schema(person)
+    assert closed["additionalProperties"] is False and closed["properties"]["home"]["additionalProperties"] is False
+    made = [ResponseFormat.model_validate({"type": "json_schema", "json_schema": {"name": "p", "schema": person}}),
+            TextFormat.model_validate({"type": "json_schema", "name": "p", "schema": person}),
+            StructuredOutputs.model_validate({"json": person}),
+            StructuredOutputs.model_validate({"json": json.dumps(person)})]
+    for form in made:
+        assert json.loads(form.structured().json_schema) == closed, form
+    open_schema = {**person, "additionalProperties": True}
+    assert json.loads(StructuredOutputs.model_validate({"json": open_schema}).structured().json_schema)[
+        "additionalProperties"] is True

@@ -21,7 +21,7 @@ from .context import ServeContext, finish_all, merged
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs, trimmed
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, with_seed
 from .replies import Reply, sse_response
-from .tool_calls import ToolRequest
+from .tool_calls import ToolRequest, answer_format
 
 if TYPE_CHECKING:
     from ..llm import LLM
@@ -113,13 +113,14 @@ def completions_router(ctx: ServeContext) -> APIRouter:
         ctx.check_size("messages", messages=messages, chat_template_kwargs=options, tools=body.tools,
                        functions=body.functions)
         tools = await ctx.off_loop(body.tool_request)  # compiles each tool's parameters schema
-        structured, constrained_by = ctx.answer_constraint(tools, *body.constraint())
+        own, field = body.constraint()
+        structured, constrained_by = ctx.answer_constraint(tools, answer_format(tools, own, field), field)
         prompt = await ctx.off_loop(render_prompt, llm, messages, options, ctx.encode, tools)
         prompt = body.truncated(prompt, llm.engine.max_seq_len)
         top = (body.top_logprobs or 0) if body.logprobs else None
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sampling = body.sampling(ctx.budget(prompt, asked, None), top or 0, body.prompt_logprobs,
-                                 structured=structured)
+                                 structured=structured, tools=tools)
         handles = await ctx.submit([(prompt, with_seed(sampling, i)) for i in range(body.n or 1)], "n",
                                    constrained_by)
         as_ids = bool(body.return_tokens_as_token_ids)

@@ -3,7 +3,9 @@
 "grammar" | "json_object": ...}`) on /v1/completions and /v1/chat/completions, and `text.format` on /v1/responses.
 
 At most one constraint per request: `response_format` (other than "text") and `structured_outputs` together are a
-400, as are tools enforced by a grammar (tool_choice "required" or named) with either. vLLM's old top-level
+400, as are tools enforced by a grammar (tool_choice "required" or named) with `structured_outputs`; an output format
+(`response_format`, `text.format`) with them is for the text turns after the forced one (`tool_calls.answer_format`).
+Every JSON schema is closed as tool schemas are (`tool_calls.close_schema`). vLLM's old top-level
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, ... were removed upstream; each is refused by name
 with the spelling that replaced it. The options this server does not implement (`structural_tag`,
 `whitespace_pattern`, `disable_any_whitespace`, `disable_additional_properties`) are refused by name too. Whether a
@@ -11,12 +13,14 @@ schema, regex or grammar compiles is the engine's to say (at submit); the server
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...engine.structured import Structured
 from .api_error import APIError
+from .tool_calls import close_schema
 
 # vLLM's removed extras -> what replaced them (in its structured_outputs object)
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
@@ -26,7 +30,8 @@ UNSUPPORTED = ("structural_tag", "whitespace_pattern", "disable_any_whitespace",
 
 class JsonSchemaFormat(BaseModel):
     """response_format.json_schema: OpenAI's name (required), description, schema and strict. The schema is always
-    enforced, strict or not (as vLLM does)."""
+    enforced, strict or not (as vLLM does), and closed as tool schemas are (`close_schema`: an object that lists its
+    properties and says nothing of others allows no others)."""
 
     model_config = ConfigDict(strict=True, extra="forbid", populate_by_name=False)
     name: str = Field(min_length=1, max_length=64)
@@ -50,7 +55,7 @@ class ResponseFormat(BaseModel):
             if self.json_schema is None:
                 raise APIError(400, "response_format of type 'json_schema' needs its json_schema object",
                                param="response_format")
-            return Structured(json_schema=self.json_schema.schema_)
+            return Structured(json_schema=close_schema(self.json_schema.schema_))
         return None
 
 
@@ -69,7 +74,7 @@ class TextFormat(BaseModel):
         if self.type == "json_schema":
             if self.name is None or self.schema_ is None:
                 raise APIError(400, "text.format of type 'json_schema' needs its name and schema", param="text")
-            return Structured(json_schema=self.schema_)
+            return Structured(json_schema=close_schema(self.schema_))
         if (self.name, self.schema_, self.strict, self.description) != (None,) * 4:
             raise APIError(400, f"text.format: name, schema, strict and description are only read with type "
                                 f"'json_schema' (got type {self.type!r})", param="text")
@@ -109,13 +114,24 @@ class StructuredOutputs(BaseModel):
         for name in UNSUPPORTED:
             if getattr(self, name) not in (None, False):
                 raise APIError(400, f"structured_outputs.{name} is not supported", param="structured_outputs")
-        given = {"json_schema": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
-                 "json_object": self.json_object or None}
+        given = {"json_schema": closed_json(self.json_), "regex": self.regex, "choice": self.choice,
+                 "grammar": self.grammar, "json_object": self.json_object or None}
         given = {key: value for key, value in given.items() if value is not None}
         if len(given) != 1:
             raise APIError(400, "structured_outputs needs exactly one of json, regex, choice, grammar, json_object "
                                 f"(got {len(given)})", param="structured_outputs")
         return Structured(**given)
+
+
+def closed_json(schema: dict[str, Any] | str | None) -> dict[str, Any] | str | None:
+    """structured_outputs.json closed as every schema this server enforces (`close_schema`), given as an object or
+    its JSON text; text that does not parse stays as it is, for the engine to name."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError:
+            return schema
+    return close_schema(schema)
 
 
 class ConstraintFields(BaseModel):

@@ -244,6 +244,21 @@ async def _answer(send: Send, status: int, message: str, code: str | None = None
 
 
 MISSING_KEY = "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)"
+KEY_HEADERS = (b"authorization", b"x-api-key")
+
+
+def repeated(headers: Any, names: tuple[bytes, ...]) -> str | None:
+    """The first of `names` (lower-case) that `headers` (ASGI's (name, value) pairs) hold more than once, or None.
+    Authorization is a singleton field (RFC 9110): two of them are a malformed request, not two keys to try, and a
+    proxy that adds its own must not make the client's count (or the other way round)."""
+    seen: set[bytes] = set()
+    for name, _ in headers:
+        name = name.lower()
+        if name in names:
+            if name in seen:
+                return name.decode()
+            seen.add(name)
+    return None
 
 
 def key_given(key: bytes, authorization: bytes, x_api_key: bytes) -> bool:
@@ -276,6 +291,9 @@ class HTTPGuard:
             await _answer(send, status, message, code, shape)
 
         if self.expected is not None and path not in self.open_paths:
+            twice = repeated(scope.get("headers") or (), KEY_HEADERS)
+            if twice is not None:
+                return await answer(400, f"the {twice} header is given more than once (it holds one key)")
             if not key_given(self.expected, headers.get(b"authorization", b""), headers.get(b"x-api-key", b"")):
                 return await answer(401, MISSING_KEY, "invalid_api_key")
         limit = self.limits.max_body_bytes

@@ -17,7 +17,8 @@ from ...engine.sampling_params import SamplingParams
 from ...engine.structured import Structured
 from .api_error import APIError
 from .constraints import ConstraintFields
-from .tool_calls import ToolRequest, legacy_tool_request, template_messages, tool_request
+from .tool_calls import (ToolRequest, answer_stops, banned_words, legacy_tool_request, template_messages,
+                         tool_request)
 
 MAX_N = 64  # choices per request: each is a request of its own in the scheduler
 
@@ -70,9 +71,10 @@ class SamplingFields(BaseModel):
         return {}
 
     def sampling(self, max_tokens: int, logprobs: int = 0, prompt_logprobs: int | None = None,
-                 structured: Structured | None = None) -> SamplingParams:
+                 structured: Structured | None = None, tools: ToolRequest | None = None) -> SamplingParams:
         """The SamplingParams these fields ask for (validated later by the engine, which names a bad field), with
-        `structured` constraining the output."""
+        `structured` constraining the output and the request's `tools` deciding which stops apply (`answer_stops`)
+        and what may not be written (`banned_words`)."""
         given = {name: getattr(self, name) for name in ("temperature", "top_p", "min_p", "presence_penalty",
                                                         "frequency_penalty", "repetition_penalty", "seed",
                                                         "ignore_eos")}
@@ -83,9 +85,12 @@ class SamplingFields(BaseModel):
             given["structured"] = structured
         if self.logit_bias:
             given["logit_bias"] = self.token_bias()
-        return SamplingParams(max_tokens=max_tokens, stop=self.stop or (), stop_token_ids=self.stop_token_ids or (),
-                              logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                              **{**given, **self.sampling_extras()})
+        extras = self.sampling_extras()
+        if banned := banned_words(tools, structured is not None):
+            extras["bad_words"] = (*extras.get("bad_words", ()), *banned)
+        return SamplingParams(max_tokens=max_tokens, stop=answer_stops(tools, self.stop),
+                              stop_token_ids=answer_stops(tools, self.stop_token_ids), logprobs=logprobs,
+                              prompt_logprobs=prompt_logprobs, **{**given, **extras})
 
 
 class HarmlessFields(BaseModel):

@@ -15,7 +15,7 @@ json_schema or json_object constrains the output as the chat endpoint's response
 Responses event types in OpenAI's order: created, in_progress, then per output item its added event, its deltas
 (output_text.delta in a content part, or function_call_arguments.delta) and done events, then completed or
 incomplete. Anything else a request asks for (built-in tools, reasoning, background, include, auto truncation,
-images) is a 400 that names it.
+images, the other endpoints' max_tokens, a field this body does not declare) is a 400 that names it.
 """
 from __future__ import annotations
 
@@ -26,16 +26,16 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from ...errors import PocketJaxError
 from .api_error import APIError
 from .constraints import TextFormat
 from .context import finish_all, merged
-from .openai_protocol import SamplingFields, with_seed
+from .openai_protocol import HarmlessFields, SamplingFields, with_seed
 from .replies import event_stream
 from .tool_call_parser import Arguments, ToolCall, ToolCallParser
-from .tool_calls import ToolRequest, template_messages, tool_request
+from .tool_calls import ToolRequest, answer_format, template_messages, tool_request
 
 if TYPE_CHECKING:
     from ..handle import RequestHandle
@@ -45,10 +45,12 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-class ResponsesRequest(SamplingFields):
+class ResponsesRequest(HarmlessFields, SamplingFields):
     """OpenAI's response-create body (the fields a stateless text server can honour), plus the sampling extras
-    both other endpoints take (top_k, min_p, penalties, seed, stop...)."""
+    both other endpoints take (top_k, min_p, penalties, seed, stop...) and the fields that never change an answer
+    (`HarmlessFields`, `user`); a field not declared here is a 400 naming it, as on the chat endpoint."""
 
+    model_config = ConfigDict(strict=True, extra="forbid")
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = None
@@ -67,13 +69,17 @@ class ResponsesRequest(SamplingFields):
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
     n: int | None = Field(default=None, ge=1, le=1)
+    prompt_cache_retention: str | None = None  # a caching hint (as prompt_cache_key): accepted and ignored
     # the other endpoints' constraint fields: they would change the output, so they are refused here by name
     response_format: Any = None
     structured_outputs: Any = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        unsupported = [("previous_response_id", self.previous_response_id is not None,
+        unsupported = [("max_tokens", self.max_tokens is not None, "is spelled max_output_tokens on /v1/responses"),
+                       ("return_tokens_as_token_ids", bool(self.return_tokens_as_token_ids),
+                        "logprobs are not supported on /v1/responses"),
+                       ("previous_response_id", self.previous_response_id is not None,
                         "needs stored responses; this server is stateless: send the whole conversation in input"),
                        ("conversation", self.conversation is not None, "needs stored conversations"),
                        ("prompt", self.prompt is not None, "stored prompt templates are not supported"),
@@ -194,7 +200,7 @@ def responses_router(ctx: ServeContext) -> APIRouter:
         ctx.check_size("input", input=body.input, instructions=body.instructions, tools=body.tools)
         structured, text_format = TextFormat.of(body.text)
         tools = await ctx.off_loop(body.tool_request)  # compiles each tool's parameters schema
-        structured, constrained_by = ctx.answer_constraint(tools, structured, "text")
+        structured, constrained_by = ctx.answer_constraint(tools, answer_format(tools, structured, "text"), "text")
         llm = ctx.llm
 
         def render() -> list[int]:
@@ -204,7 +210,7 @@ def responses_router(ctx: ServeContext) -> APIRouter:
 
         prompt = await ctx.off_loop(render)
         max_tokens = ctx.budget(prompt, body.max_output_tokens, None, param="max_output_tokens")
-        sampling = body.sampling(max_tokens, structured=structured)
+        sampling = body.sampling(max_tokens, structured=structured, tools=tools)
         handle = (await ctx.submit([(prompt, with_seed(sampling, 0))], "input", constrained_by))[0]
         draft = Draft(body, ctx.name, len(prompt), text_format)
         output = Output(tools.parser() if tools is not None and tools.parsed else None)
@@ -213,7 +219,7 @@ def responses_router(ctx: ServeContext) -> APIRouter:
         out = (await finish_all(request, [handle]))[0]
         output.feed(out.text)
         output.finish(out.finish_reason == "length")
-        return draft.response(output.items, out.finish_reason, len(out.token_ids), handle.cached_prefix_len)
+        return draft.response(output.whole(), out.finish_reason, len(out.token_ids), handle.cached_prefix_len)
 
     return router
 
@@ -253,6 +259,12 @@ class Draft:
 
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(text: str, status: str = "in_progress") -> dict[str, Any]:
+    """An assistant message output item holding `text`."""
+    return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
+            "content": [output_text(text)]}
 
 
 class Output:
@@ -303,9 +315,16 @@ class Output:
     def _where(self) -> dict[str, Any]:
         return {"item_id": self._open["id"], "output_index": len(self.items), "content_index": 0}
 
+    def whole(self) -> list[dict[str, Any]]:
+        """The non-streamed output (after `finish`): the items, a call whose JSON never closed as a message item of
+        the text it was written as (as `parse_tool_calls` makes the chat answer: a client never gets, nor replays,
+        arguments that are not JSON)."""
+        cut = {call.id: call.written for call in self.parser.calls if not call.complete} if self.parser else {}
+        return [message_item(cut[item["call_id"]], item["status"]) if item.get("call_id") in cut else item
+                for item in self.items]
+
     def _start_message(self) -> list[tuple[str, dict[str, Any]]]:
-        events = self._start({"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": "in_progress",
-                              "role": "assistant", "content": []})
+        events = self._start({**message_item(""), "content": []})
         self._open["content"].append(output_text(""))
         return events + [("response.content_part.added", {**self._where(), "part": output_text("")})]
 

@@ -6,15 +6,19 @@ as vLLM's hermes parser makes it: `content` is the text before the first `<tool_
 whitespace); from that tag on the answer is calls, and text between or after blocks is dropped (vLLM's non-streamed
 parser keeps only the text before the first tag too). Where vLLM's non-streamed parser returns the whole answer,
 markup included, as content when any block fails to parse, here a block that is not a call is dropped (as vLLM's
-streamed parser drops it): `content` never holds `<tool_call>` markup.
+streamed parser drops it): `content` holds `<tool_call>` markup only where a call was cut short (below).
 
 One parser serves both shapes of the answer: `ToolCallParser` reads text as it streams, and the whole answer is the
-same parser fed once, so a streamed answer accumulates to exactly the non-streamed one. A block written in the
-template's layout (`{"name": "f", "arguments": {`) starts a call as soon as its name is complete, and its arguments
-are the JSON text the model writes, passed on as it arrives and ending where that object closes; a block in any
-other layout becomes a call when its JSON object closes, if it is one (a string "name", an object "arguments"), its
-arguments re-encoded. An answer cut inside a call's arguments (max_tokens) keeps the call with the arguments written
-so far, as vLLM returns a forced call cut short (finish_reason "length" tells the client).
+same parser fed once, so a streamed answer accumulates to exactly the non-streamed one (a call cut short aside). A
+block written in the template's layout (`{"name": "f", "arguments": {`) starts a call as soon as its name is
+complete, and its arguments are the JSON text the model writes, passed on as it arrives and ending where that object
+closes; a block in any other layout becomes a call when its JSON object closes, if it is one (a string "name", an
+object "arguments"), its arguments re-encoded.
+
+A call whose arguments never closed (max_tokens, a stop string, or the end tag inside them) is no call: the whole
+answer (`parse_tool_calls`) returns it as content, the text the model wrote from its `<tool_call>` tag on, so a
+client never gets (nor sends back) arguments that are not JSON. A stream has sent its head and arguments by the time
+the cut is known; it keeps them as they went out, and finish_reason ("length" at max_tokens) tells the client.
 
 Which calls a request allows, and the grammar that enforces them, are `tool_calls.py`'s.
 """
@@ -35,13 +39,15 @@ HEAD = re.compile(re.escape(HEAD_START) + r"([A-Za-z0-9_-]{1,64})" + re.escape(H
 @dataclass
 class ToolCall:
     """One call of an answer: its position among the answer's calls, id, function name and arguments (the JSON
-    text the model wrote, grown as it streams); `complete` once that JSON object has closed."""
+    text the model wrote, grown as it streams); `complete` once that JSON object has closed; `written`, once its
+    block ended, the block's text as the model wrote it (the content a call that never closed becomes)."""
 
     index: int
     id: str
     name: str
     arguments: str = ""
     complete: bool = False
+    written: str = ""
 
     def message(self) -> dict[str, Any]:
         """The call as message.tool_calls lists it."""
@@ -136,6 +142,7 @@ class ToolCallParser:
     _calls_began: bool = False  # a <tool_call> tag came: the rest of the answer is calls
     _block: str | None = None  # the open block: "head" (its layout not yet known), "args", "object"; None: none
     _object: str = ""  # an "object" block's JSON text so far
+    _written: str = ""  # the open block's text so far, from its <tool_call> tag on
     _scan: JSONScan = field(default_factory=JSONScan)
 
     def __post_init__(self) -> None:
@@ -154,7 +161,9 @@ class ToolCallParser:
         events: list[Event] = []
         if not self._calls_began and self._blank + self._pending:
             events.append(self._blank + self._pending)
-        self._pending, self._blank, self._block, self._object = "", "", None, ""
+        if self._block == "args":
+            self.calls[-1].written = self._written + self._pending
+        self._pending, self._blank, self._block, self._object, self._written = "", "", None, "", ""
         return events
 
     def _step(self, events: list[Event]) -> bool:
@@ -187,6 +196,7 @@ class ToolCallParser:
             self._pending = "" if full else self._pending[len(self._pending) - partial_tag(self._pending, START):]
             return False
         self._pending, self._block, self._scan = self._pending[start + len(START):], "head", JSONScan()
+        self._written = START
         return True
 
     def _head_step(self, events: list[Event]) -> bool:
@@ -198,7 +208,9 @@ class ToolCallParser:
             call = ToolCall(len(self.calls), call_id(), head.group(1))
             self.calls.append(call)
             events.append(call)
-            self._pending, self._block = text[head.end() - 1:], "args"  # from the arguments' "{"
+            read = len(self._pending) - len(text) + head.end() - 1
+            self._written += self._pending[:read]
+            self._pending, self._block = self._pending[read:], "args"  # from the arguments' "{"
             return True
         if could_be_head(text):
             return False
@@ -210,6 +222,7 @@ class ToolCallParser:
         closes); a `<` outside a string ends a block whose JSON never closed."""
         read, state = self._scan.feed(self._pending)
         piece, self._pending = self._pending[:read], self._pending[read:]
+        self._written += piece
         call = self.calls[-1] if self._block == "args" else None
         if call is not None and piece:
             call.arguments += piece
@@ -219,7 +232,7 @@ class ToolCallParser:
         if state == "open" or state == "stopped" and END.startswith(self._pending) and len(self._pending) < len(END):
             return False  # more to come, or maybe the end tag
         if call is not None:
-            call.complete = state == "closed"
+            call.complete, call.written = state == "closed", self._written
         elif state == "closed" and (parsed := parse_block(self._object, len(self.calls))) is not None:
             self.calls.append(parsed)
             events += [parsed, Arguments(parsed.index, parsed.arguments)]
@@ -268,7 +281,9 @@ def partial_tag(text: str, tag: str) -> int:
 
 def parse_tool_calls(parser: ToolCallParser, text: str) -> tuple[str | None, list[ToolCall]]:
     """An answer's content (None when it is empty, or only whitespace before calls) and its calls: a fresh
-    streaming parser fed the whole answer once."""
+    streaming parser fed the whole answer once; a call whose JSON never closed is content (the text it was written
+    as, after the text before the first call), never a call."""
     events = parser.feed(text) + parser.finish()
     content = "".join(e for e in events if isinstance(e, str))
-    return (content or None), parser.calls
+    content += "".join(call.written for call in parser.calls if not call.complete)
+    return (content or None), [call for call in parser.calls if call.complete]

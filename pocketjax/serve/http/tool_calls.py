@@ -14,13 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...engine.structured import llguidance_module
+from ...engine.structured import Structured, llguidance_module
 from ...errors import StructuredOutputError
 from .api_error import APIError
 from .tool_call_parser import END, START, Event, ToolCall, ToolCallParser, parse_tool_calls
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for function names (they go into the grammar as literals)
 CHOICES = ("none", "auto", "required")
+OUTPUT_FORMATS = ("response_format", "text")  # the fields that say what a text answer looks like (`answer_format`)
 # Calls one answer may make under "required" with parallel_tool_calls (OpenAI and vLLM state none): a weak model
 # repeats a call until max_tokens otherwise; after the 8th the grammar allows only the end of the answer.
 MAX_PARALLEL_CALLS = 8
@@ -178,6 +179,36 @@ def tool_request(tools: Sequence[Any] | None, tool_choice: Any, parallel_tool_ca
     return ToolRequest(rendered, parameters, choice, True if parallel_tool_calls is None else parallel_tool_calls)
 
 
+def answer_stops(tools: ToolRequest | None, stops: str | Sequence[Any] | None) -> tuple[Any, ...]:
+    """The stop strings (or stop token ids) that may end an answer to a request with `tools`: none when a grammar
+    forces the answer to be calls. A forced answer has no text for a stop to end, and one matched inside a call
+    (`stop: ["\\n"]` before its JSON, a "}" inside it) left no call or broken JSON; the grammar ends the answer after
+    its last call. Every route with tools takes its stops through here (OpenAI's stop and stop_token_ids,
+    Anthropic's stop_sequences)."""
+    if stops is None:
+        return ()
+    stops = (stops,) if isinstance(stops, str) else tuple(stops)
+    return () if tools is not None and tools.enforced else stops
+
+
+def answer_format(tools: ToolRequest | None, structured: Structured | None, field: str | None) -> Structured | None:
+    """The request's own output constraint (from `field`) for this answer: none from an output format
+    (response_format, text.format) when tool_choice forces calls. The forced turn is calls (the tool grammar); the
+    format is for the text turns after it, and clients send it on every turn (openai-agents sends an Agent's
+    output_type with its forced tool). A constraint for this very answer (vLLM's structured_outputs) stays, and with
+    a forced tool_choice it is a 400 naming it (`ServeContext.answer_constraint`)."""
+    forced = tools is not None and tools.enforced
+    return None if forced and field in OUTPUT_FORMATS else structured
+
+
+def banned_words(tools: ToolRequest | None, constrained: bool) -> tuple[str, ...]:
+    """What an answer to a request with `tools` may not write (vLLM's bad_words): the <tool_call> tag under
+    tool_choice "none". The tools are still rendered, so the model may begin a call that nothing parses and its
+    markup would reach the content; with the tag's own token (Qwen's tokenizers) that token is never sampled. A
+    request that constrains its own answer (`constrained`: its grammar may write the tag) keeps its word."""
+    return (START,) if tools is not None and tools.choice == "none" and not constrained else ()
+
+
 def checked_function(function: Any, where: str, param: str, seen: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A function definition's name and its closed parameters schema; 400 naming `param` when it is malformed, its
     name is in `seen`, or its schema does not compile."""
@@ -241,8 +272,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages in the form Qwen-style templates read (as vLLM hands them over): an assistant message's
     tool-call arguments as an object, not OpenAI's JSON string (the template writes them with `tojson`), and its
     missing content as "" (Qwen3's template searches it for </think>); the legacy forms (an assistant's
-    `function_call`, a `role: "function"` result) as tool calls and tool results. 400 for arguments that are not a
-    JSON object."""
+    `function_call`, a `role: "function"` result) as tool calls and tool results. Arguments that are not a JSON
+    object stay the string they are (`json_object`)."""
     out = []
     for i, message in enumerate(messages):
         message = legacy_message(message)
@@ -280,10 +311,18 @@ def template_call(call: Any, where: str) -> dict[str, Any]:
                             f"\"arguments\": ...}}}}", param="messages")
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except ValueError as error:
-            raise APIError(400, f"{where}.function.arguments is not JSON: {error}", param="messages") from None
-    if not isinstance(arguments, dict):
-        raise APIError(400, f"{where}.function.arguments must be a JSON object", param="messages")
+        arguments = json_object(arguments) if arguments.strip() else {}
+    elif not isinstance(arguments, dict):
+        raise APIError(400, f"{where}.function.arguments must be a string (or a JSON object)", param="messages")
     return {**call, "function": {**function, "arguments": arguments}}
+
+
+def json_object(text: str) -> dict[str, Any] | str:
+    """The object a past call's arguments spell, or the text itself when it is not a JSON object: a call a client
+    replays may be one cut short (its own or another server's), and refusing it would end an agent's loop; Qwen3's
+    template writes a string as it is, Qwen2.5's as a JSON string."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
