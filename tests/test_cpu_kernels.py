@@ -551,3 +551,91 @@ def test_the_env_switch_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv("POCKETJAX_CPU_KERNELS", "off")
     assert not cpu_kernels.available()
     assert cpu_kernels.TARGET not in jax.jit(layers.linear).lower(x, w).as_text()
+
+
+FAKE_CXX = """#!/bin/sh
+# a compiler that writes a file carrying the build key it is given (the cache's rules without a 30 s compile)
+if [ "$1" = "--version" ]; then echo "fake-cxx 1"; exit 0; fi
+out=""; key=""
+while [ $# -gt 0 ]; do
+  case "$1" in -o) out="$2"; shift;; -DPOCKETJAX_BUILD_KEY=*) key=$(echo "${1#*=}" | tr -d '"');; esac
+  shift
+done
+printf 'pocketjax-build-key:%s' "$key" > "$out"
+"""
+
+
+@pytest.fixture
+def fake_cxx(tmp_path):
+    path = tmp_path / "fake-c++"
+    path.write_text(FAKE_CXX)
+    path.chmod(0o700)
+    return str(path)
+
+
+def test_a_cache_folder_others_can_write_is_neither_loaded_from_nor_built_into(tmp_path, fake_cxx, caplog):
+    """Issue 67: a group-writable cache folder could hold anyone's library: a file there carrying the right key is
+    not returned, and the build goes to this process's private folder (0700)."""
+    own = cpu_kernels.build(compiler=fake_cxx, directory=tmp_path / "own")
+    assert own.parent == tmp_path / "own" and stat.S_IMODE((tmp_path / "own").stat().st_mode) == 0o700
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o775)
+    planted = shared / own.name
+    planted.write_bytes(own.read_bytes())  # carries the key: the old check loaded it
+    planted.chmod(0o755)
+    with caplog.at_level(logging.WARNING, logger="pocketjax"):
+        lib = cpu_kernels.build(compiler=fake_cxx, directory=shared)
+    assert lib.parent == cpu_kernels.private_dir() and lib.parent != shared and lib.name == own.name
+    assert stat.S_IMODE(lib.parent.stat().st_mode) == 0o700 and list(shared.iterdir()) == [planted]
+    assert "writable by group or others" in caplog.text and str(shared) in caplog.text
+
+
+@pytest.mark.parametrize("tamper", ["group_writable", "other_owner", "symlink"])
+def test_a_cached_library_that_is_not_ours_alone_is_rebuilt_not_loaded(tmp_path, fake_cxx, caplog, tamper):
+    """A cached file writable by group, owned by another user, or a symlink (to a file carrying the key) is refused
+    and rebuilt: after the build the name holds our own regular file, not writable by others."""
+    lib = cpu_kernels.build(compiler=fake_cxx, directory=tmp_path / "kernels")
+    key = lib.stem.rsplit("-", 1)[1]
+    if tamper == "group_writable":
+        lib.chmod(0o775)
+    elif tamper == "other_owner":
+        if os.geteuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        os.chown(lib, 4242, -1)
+    else:
+        target = tmp_path / "elsewhere.so"
+        target.write_bytes(lib.read_bytes())
+        lib.unlink()
+        lib.symlink_to(target)
+    assert not cpu_kernels.carries_key(lib, key)
+    with pytest.raises((ConfigError, OSError)):
+        os.close(cpu_kernels.open_library(lib, key))
+    with caplog.at_level(logging.WARNING, logger="pocketjax"):
+        assert cpu_kernels.build(compiler=fake_cxx, directory=tmp_path / "kernels") == lib
+    assert "rebuilding" in caplog.text
+    info = lib.lstat()
+    assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not info.st_mode & 0o022
+    assert cpu_kernels.carries_key(lib, key)
+
+
+def test_the_library_loaded_is_the_file_checked_even_if_swapped_after_the_check(tmp_path, monkeypatch):
+    """No check-then-load race: `load` checks and loads one descriptor, so a file swapped in at the path right after
+    the check (here: junk that no loader takes) is not what is loaded."""
+    real = cpu_kernels.build()  # this process's library, from the cache: no compile
+    lib = tmp_path / real.name
+    lib.write_bytes(real.read_bytes())
+    lib.chmod(0o755)
+    checked = cpu_kernels.descriptor_carries_key
+
+    def check_then_swap(fd, key):
+        ok = checked(fd, key)
+        swap = tmp_path / "swap"
+        swap.write_bytes(b"\x7fELF not a library")
+        os.replace(swap, lib)
+        return ok
+
+    monkeypatch.setattr(cpu_kernels, "descriptor_carries_key", check_then_swap)
+    loaded = cpu_kernels.load(lib)
+    assert lib.read_bytes() == b"\x7fELF not a library"  # the swap happened before the load
+    assert loaded.PocketjaxSkinnyMatmulIsa(0, 0, 0) in cpu_kernels.ISAS.values()

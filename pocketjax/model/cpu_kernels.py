@@ -14,8 +14,15 @@ pocketjax is pure Python, so there is no install-time build: the first `availabl
 any jit trace, with a log line) compiles both sources into one library in a cache directory (POCKETJAX_KERNEL_CACHE,
 else $XDG_CACHE_HOME/pocketjax/kernels, else ~/.cache/pocketjax/kernels, else a private temporary directory), named by
 a hash of (sources, flags, compiler version, jaxlib version, CPU flags); built under a temporary name and renamed into
-place, so concurrent processes never load a half-written library; a cached file is loaded only if it carries that
-hash in its bytes (`pocketjax_build_key`). No compiler (POCKETJAX_CXX, else CXX, else c++ / g++ / clang++ on PATH;
+place, so concurrent processes never load a half-written library.
+
+The cache is code this process runs, so it is not a way in (docs/security.md): the folder must be owned by this user
+and not writable by group or others (created 0700), else nothing is loaded from or built into it (a warning names it
+and why) and the library is built into a private temporary folder for this process instead: a refusal would leave
+the engine on XLA's forms and lose batch invariance for a permission. A cached file is opened once, without
+following a symlink, and must be a regular file owned by this user, not writable by group or others, carrying the
+hash in its bytes (`pocketjax_build_key`); it is then loaded through that same descriptor (/proc/self/fd/N), so the
+bytes checked are the bytes loaded. No compiler (POCKETJAX_CXX, else CXX, else c++ / g++ / clang++ on PATH;
 POCKETJAX_CXX=none), a failed build, an unwritable cache or POCKETJAX_CPU_KERNELS=off: one log line and
 `available()` is False; callers keep XLA's forms (and lose the bitwise batch invariance, README "Guarantees").
 Nothing here raises into user code.
@@ -29,6 +36,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -66,7 +74,7 @@ def cache_dir() -> Path:
     try:
         return Path.home() / ".cache" / "pocketjax" / "kernels"
     except (RuntimeError, KeyError):  # no HOME and no passwd entry
-        return Path(tempfile.mkdtemp(prefix="pocketjax-kernels-"))
+        return private_dir()
 
 
 def find_compiler() -> str | None:
@@ -97,12 +105,79 @@ def build_key(compiler: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-def carries_key(lib: Path, key: str) -> bool:
-    """Whether the library file was built from the sources and flags hashed as `key` (the string it embeds)."""
+def unsafe(info: os.stat_result) -> str | None:
+    """Why a cache folder or file with this stat is not ours alone (None: it is): another owner, or writable by group
+    or others (either could put code there that this process would run)."""
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}, not this user (uid {os.geteuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
+def safe_dir(directory: Path) -> Path:
+    """`directory` (created 0700 if missing) where it is this user's alone, else a private temporary folder for this
+    process (logged with the reason): no library is loaded from or built into a folder others can write."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    why = unsafe(directory.stat())
+    if why is None:
+        return directory
+    private = private_dir()
+    log.warning("pocketjax cpu kernels: the cache folder %s %s: nothing is loaded from or built there; building "
+                "into %s for this process (chmod go-w / chown it, or set POCKETJAX_KERNEL_CACHE)", directory, why,
+                private)
+    return private
+
+
+@functools.cache
+def private_dir() -> Path:
+    """A temporary folder only this user can write (0700), made once per process."""
+    return Path(tempfile.mkdtemp(prefix="pocketjax-kernels-"))
+
+
+def open_library(lib: Path, key: str) -> int:
+    """A read-only descriptor of `lib`, opened once without following a symlink, if it is a regular file owned by this
+    user, not writable by group or others, whose bytes (read from that descriptor) carry the build key `key`;
+    ConfigError naming what is wrong otherwise (OSError where it cannot be opened). The caller closes it."""
+    fd = os.open(lib, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
-        return f"pocketjax-build-key:{key}".encode() in lib.read_bytes()
-    except OSError:
+        info = os.fstat(fd)
+        why = "is not a regular file" if not stat.S_ISREG(info.st_mode) else unsafe(info)
+        if why is None and not descriptor_carries_key(fd, key):
+            why = "does not carry its build key"
+        if why is not None:
+            raise ConfigError(f"{lib}: {why}")
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def descriptor_carries_key(fd: int, key: str) -> bool:
+    """Whether the file open as `fd` embeds `key` (built from the sources and flags hashed as `key`)."""
+    with os.fdopen(os.dup(fd), "rb") as f:
+        return f"pocketjax-build-key:{key}".encode() in f.read()
+
+
+def carries_key(lib: Path, key: str) -> bool:
+    """Whether `lib` may be loaded as the library built as `key` (`open_library`'s checks pass)."""
+    try:
+        os.close(open_library(lib, key))
+        return True
+    except (OSError, ConfigError):
         return False
+
+
+def load(lib: Path) -> ctypes.CDLL:
+    """`lib` (a name `build` gave: it carries its key) loaded from the one descriptor `open_library` checked, so a file
+    swapped in after the check is never what runs (Linux's /proc/self/fd; elsewhere the path, after the check).
+    ConfigError / OSError where it may not or cannot be loaded."""
+    fd = open_library(lib, lib.stem.rsplit("-", 1)[1])
+    try:
+        fd_path = f"/proc/self/fd/{fd}"
+        return ctypes.CDLL(fd_path if os.path.exists(fd_path) else str(lib))
+    finally:
+        os.close(fd)
 
 
 def build(compiler: str | None = None, directory: Path | None = None) -> Path | None:
@@ -114,14 +189,15 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path | 
                  "forms (not batch-invariant)")
         return None
     try:
-        directory = Path(directory or cache_dir())
+        directory = safe_dir(Path(directory or cache_dir()))
         key = build_key(compiler)
         lib = directory / f"{LIBRARY}-{key}.so"
-        if lib.exists() and carries_key(lib, key):
-            return lib
-        if lib.exists():
-            log.warning("pocketjax cpu kernels: %s does not carry its build key; rebuilding it", lib)
-        directory.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(lib):
+            try:
+                os.close(open_library(lib, key))
+                return lib
+            except (OSError, ConfigError) as e:
+                log.warning("pocketjax cpu kernels: %s; rebuilding it", e)
         fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp", dir=directory)
         os.close(fd)
         try:
@@ -133,6 +209,7 @@ def build(compiler: str | None = None, directory: Path | None = None) -> Path | 
                 log.warning("pocketjax cpu kernels: build failed (%s); XLA's forms (not batch-invariant):\n%s",
                             " ".join(cmd), done.stderr[-2000:])
                 return None
+            os.chmod(tmp, 0o755)  # the linker's mode follows the umask: never group-writable (open_library refuses)
             os.replace(tmp, lib)  # atomic: another process sees no file or the whole one
         finally:
             if os.path.exists(tmp):
@@ -154,12 +231,12 @@ def _library() -> ctypes.CDLL | None:
     if path is None:
         return None
     try:
-        lib = ctypes.CDLL(str(path))
+        lib = load(path)
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PocketjaxSkinnyMatmul), platform="cpu")
         jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(lib.PocketjaxQuantizedMatmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.PocketjaxAttention), platform="cpu")
-    except (OSError, AttributeError, ValueError, RuntimeError) as e:
+    except (OSError, AttributeError, ValueError, RuntimeError, ConfigError) as e:
         log.warning("pocketjax cpu kernels: cannot load %s (%s); XLA's forms (not batch-invariant)", path, e)
         return None
     lib.PocketjaxSkinnyMatmulIsa.restype = ctypes.c_int
