@@ -30,8 +30,9 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """The fields both endpoints share (OpenAI's, plus vLLM's top_k, min_p, repetition_penalty, ignore_eos,
-    stop_token_ids); unknown fields are ignored, as OpenAI-compatible servers do."""
+    """The fields every OpenAI endpoint shares (OpenAI's, plus vLLM's top_k, min_p, repetition_penalty, ignore_eos,
+    stop_token_ids); each endpoint's body (CompletionRequest, ChatCompletionRequest, ResponsesRequest) refuses the
+    fields it does not declare by name (extra="forbid")."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
