@@ -7,6 +7,7 @@ tokenizer's are never allowed) for the engine-level checks, on one warmed-up eng
 """
 import json
 import re
+import threading
 from dataclasses import asdict
 
 import jsonschema
@@ -359,3 +360,30 @@ def test_a_deferred_sampler_keeps_the_pending_step_rules(tiny):
     assert len(freed.generated_tokens) == 1 and freed.finish_reason == "cancelled"  # its prefill token only
     assert re.fullmatch("[a-z]{10}", text(tok, constrained.generated_tokens)) and constrained.finish_reason == "stop"
     assert engine.compiled_count() == warm
+
+
+def test_past_the_cache_no_constraint_compiles_on_the_scheduler_thread(tiny, monkeypatch):
+    """With the compiled-constraint cache shrunk to 1, three distinct constraints submitted together evict each other
+    before any is admitted: each request keeps the matcher its validation compiled (on the submitting thread), so
+    admission, under the scheduler's lock, compiles nothing and every answer still follows its regex."""
+    model, tok, engine, _ = tiny
+    monkeypatch.setattr(engine.constrainer, "cache_size", 1)
+    compiled_on = []
+    grammar_text = pj.Structured.grammar_text
+
+    def recorded(self):
+        compiled_on.append(threading.current_thread())
+        return grammar_text(self)
+
+    monkeypatch.setattr(pj.Structured, "grammar_text", recorded)
+    patterns = ["[a-c]{4}", "[d-f]{4}", "[0-3]{4}"]
+    with pj.Scheduler(engine).start() as sched:
+        handles = sched.submit_many([([i + 1, 2], pj.SamplingParams(max_tokens=8, temperature=0.0,
+                                                                    structured=pj.Structured(regex=p)), None)
+                                     for i, p in enumerate(patterns)])
+        outs = [h.result(timeout=120) for h in handles]
+        loop = sched._thread
+    assert len(compiled_on) == len(patterns) and loop not in compiled_on
+    assert set(compiled_on) == {threading.current_thread()}
+    for out, pattern in zip(outs, patterns):
+        assert re.fullmatch(pattern, text(tok, out.token_ids)), (pattern, out.token_ids)

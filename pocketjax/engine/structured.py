@@ -194,8 +194,8 @@ class Constrainer:
                 self._compiled.move_to_end(structured)
                 return self._compiled[structured]
             tokenizer = self._ll_tokenizer()
-        # compiled without the lock: a slow grammar (seconds) must not hold up the scheduler's admissions, which
-        # take their (cached) matchers from here; two threads compiling one constraint both get a valid matcher
+        # compiled without the lock: a slow grammar (seconds) must not hold up other submitters' cached matchers;
+        # two threads compiling one constraint both get a valid matcher
         matcher = self._llg.LLMatcher(tokenizer, structured.grammar_text(), log_level=0)
         if matcher.is_error():
             raise StructuredOutputError(f"SamplingParams.structured.{structured.kind} does not compile: "
@@ -210,6 +210,14 @@ class Constrainer:
     def start(self, structured: Structured) -> Any:
         """A fresh matcher for one request (a copy of the compiled one: cheap)."""
         return self.compile(structured).deep_copy()
+
+    def attach(self, req: Any) -> None:
+        """Give a constrained request its own matcher now, compiled on the validating thread if the cache lost it.
+        Validation runs where the request is submitted; admission validates again under the scheduler's lock and
+        finds the matcher on the request, so past CACHE_SIZE distinct constraints (evicted) no compile stalls the
+        scheduler thread and every stream it runs."""
+        if req.matcher is None:
+            req.matcher = self.start(req.sampling.structured)
 
     def masks(self, rows: Sequence[Any]) -> np.ndarray | None:
         """int32 [len(rows), words] allowed-token masks for a step's rows (requests or None), or None when no row is

@@ -53,7 +53,7 @@ def check_request(req: BatchedRequest, model: Model, max_seq_len: int, constrain
         if constrainer is None:
             raise StructuredOutputError(f"request {req.request_id!r}: structured outputs need an engine with a "
                                         f"tokenizer (Engine(model, tokenizer=...); LLM passes its own)")
-        constrainer.compile(req.sampling.structured)
+        constrainer.attach(req)  # compiled here, on the submitting thread: admission never compiles
 
 
 def steering_table(req: BatchedRequest, model: Model) -> np.ndarray | None:
