@@ -328,7 +328,7 @@ def test_compiled_count_is_flat_after_warmup_for_a_mixed_workload(tiny):
     calls = signatures(engine.rules, structured=True)
     masked = [c for c in calls if c.step.endswith("_masked")]
     assert {c.step for c in masked} == {"sample_first_masked", "sample_next_masked"}
-    assert len(masked) == len([c for c in calls if c.step in ("sample_first", "sample_next")])
+    assert not any(c.step == "sample_first" for c in calls)  # a structured engine's first tokens: all masked
     assert not any(c.step.endswith("_masked") for c in signatures(engine.rules))  # no tokenizer: not warmed
     assert "tensor<2x10xi32>" in engine.lower(masked[-1]).as_text()  # the mask is an argument of the lowered sampler
 

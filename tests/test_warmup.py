@@ -26,9 +26,9 @@ def test_signatures_follow_the_engines_buckets(model):
     # a chunk of 33..48 tokens ends at position 33 or later: never attends over only 32
     assert prefill == [(16, 32), (16, 64), (16, 96), (32, 32), (32, 64), (32, 96), (48, 64), (48, 96)]
     assert sorted({c.rows for c in calls if c.rows}) == [1, 2, 3]
-    assert {(c.rows, c.num_top) for c in calls if c.step == "sample_next"} == {(r, t) for r in (1, 2, 3)
-                                                                               for t in (0, 20)}
-    assert [c.kv_len for c in calls if c.step == "decode" and c.rows == 3] == [32, 64, 96]
+    assert {(c.rows, c.num_top) for c in calls if c.step == "decode_sample"} == {(r, t) for r in (1, 2, 3)
+                                                                                 for t in (0, 20)}
+    assert sorted({c.kv_len for c in calls if c.step == "decode_sample" and c.rows == 3}) == [32, 64, 96]
     assert calls[-1] == Signature("copy_prefix") and len(calls) == len(set(calls))
     pallas = signatures(pj.Engine(model, **{**OPTIONS, "attention_impl": "pallas_interpret"}).rules)
     assert {c.kv_len for c in pallas if c.kv_len} == {96}  # the kernels always read max_seq_len

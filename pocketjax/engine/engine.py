@@ -1,9 +1,10 @@
 """Engine: the batch API over the slotted KV cache: allocate slots, prefill prompts, decode steps, free slots.
 
 The host side only moves small integer arrays per step; the forward pass, sampling and penalty bookkeeping run in
-the jitted steps of `steps.py`. A decode step is split in two, `decode_dispatch` (queue it, return at once) and
-`decode_collect` (the one host sync), so a caller can keep one step in flight while it works on the tokens of the
-one before (the Scheduler's policy); `batch_decode_step` does both. A decode step's inputs are each slot's state on
+the jitted steps of `steps.py`; a decode step and its sampler are one program (one dispatch per token; a step whose
+token masks come from the host runs them as two). A decode step is split in two on the host, `decode_dispatch`
+(queue it, return at once) and `decode_collect` (the one host read), so a caller can keep one step in flight while it
+works on the tokens of the one before (the Scheduler's policy); `batch_decode_step` does both. A decode step's inputs are each slot's state on
 device (`steps.SlotState`), so any requests can share a step queued behind steps the host has not read.
 """
 from __future__ import annotations
@@ -101,6 +102,12 @@ class Engine(SpeculativeSteps):
         return self.device.state
 
     @property
+    def kv_dtype(self) -> str:
+        """The KV cache form this engine chose: `kv_dtype=` or the model's default (`default_kv_dtype`: float32 for a
+        16-bit model on CPU). `pj.logits` / `pj.logprobs` / `pj.loss` with it score as this engine samples."""
+        return self.config.kv_dtype or default_kv_dtype(self.model.dtype)
+
+    @property
     def max_seq_len(self) -> int:
         return self.config.max_seq_len
 
@@ -112,7 +119,7 @@ class Engine(SpeculativeSteps):
         c = self.model.config
         return StepRules(self.num_slots, cfg.max_seq_len, cfg.prefill_chunk, cfg.min_prefill_bucket,
                          cfg.min_kv_bucket, self.impl, c.vocab_size, width, cfg.logprobs_mode, c.num_layers,
-                         c.hidden_size)
+                         c.hidden_size, structured=self.constrainer is not None)
 
     def allocate_batch_slots(self, n: int) -> None:
         """(Re)allocate the KV cache with n slots; refused while any slot is held."""
@@ -252,7 +259,8 @@ class Engine(SpeculativeSteps):
             self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
             req.num_prefilled += n
         if first is not None:  # queued before the prompt logprobs are read, so the device samples while the host waits
-            out = self.device.run("sample_first", logits, first)
+            masked = "_masked" if first.allowed is not None else ""
+            out = self.device.run("sample_first" + masked, logits, first)
         if prompt_out is not None:
             self._deliver_prompt_logprobs(chunks, prompt_out)
         if first is not None:
@@ -306,16 +314,20 @@ class Engine(SpeculativeSteps):
             return step
         step.rows, step.plan, sample = decode_plans(
             self.rules, keep, lambda r: len(self.slots.tokens[r.slot_id]) + r.positions_ahead)
-        if any(r.in_flight and self._masked_on_host(r, len(r.generated_tokens) + r.in_flight) for r in keep):
-            after.following = step  # masks need tokens in flight: its sampler is queued when `after` is collected
+        deferred = any(r.in_flight and self._masked_on_host(r, len(r.generated_tokens) + r.in_flight) for r in keep)
+        if deferred:  # masks need tokens in flight: its sampler is queued when `after` is collected
+            after.following = step
             step.sample = sample
         else:  # a row with tokens in flight needs no mask from the host at this index: its plan's static one holds
             step.sample = self._constrain(sample, [r if r is not None and not r.in_flight else None for r in step.rows])
-        logits, step.captured = self.device.run("decode", step.plan)
-        if after is not None and after.following is step:
-            step.logits = logits
-        else:
-            step.out = self.device.run("sample_next", logits, step.sample)
+        if step.sample.allowed is None:  # forward pass and sampler in one program: one dispatch per token
+            step.out, step.captured = self.device.run("decode_sample", step.plan, step.sample)
+        else:  # masked rows: the forward pass, then the masked sampler (now, or once the masks are known)
+            logits, step.captured = self.device.run("decode", step.plan)
+            if deferred:
+                step.logits = logits
+            else:
+                step.out = self.device.run("sample_next_masked", logits, step.sample)
         for r in keep:
             r.in_flight += 1
             r.positions_ahead += 1
@@ -387,7 +399,7 @@ class Engine(SpeculativeSteps):
         on = np.array([r is not None and not r.finished for r in step.rows])
         sample = self._constrain(replace(step.sample, rows_on=step.sample.rows_on & on), step.rows)
         logits, step.logits = step.logits, None
-        step.out = self.device.run("sample_next", logits, sample)
+        step.out = self.device.run("sample_next_masked", logits, sample)
 
     # ---- shared --------------------------------------------------------------------------------------------------
     def _deliver(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, results: dict[int, int],

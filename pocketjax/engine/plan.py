@@ -23,11 +23,19 @@ import numpy as np
 
 from .request import BatchedRequest
 from .processors import pack_limits
-from .sampling import SamplingArrays, pack_sampling
+from .sampling import (EXACT, GREEDY, NUCLEUS, SAMPLED, Paths, SamplingArrays, covers, pack_sampling, paths_for,
+                       penalizes)
 from .sampling_params import DEFAULT_LOGPROBS_MODE, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from .structured import all_allowed
 
 Rows = Sequence[BatchedRequest | None]  # one request per row; None: padding, or a row left out
+# The sampler variants (`sampling.Paths`) each kind of step picks from, smallest first; warm-up compiles the (paths,
+# num_top) pairs of WARM, the rest (EXACT: a top_k above the candidates) compile on first use, said in a log line.
+# A variant holding more parts gives the same tokens, so a batch may run a larger one than it needs.
+DECODE_CHAIN = (GREEDY, SAMPLED, NUCLEUS, EXACT)  # decode_sample, sample_verify: every token
+SPARSE_CHAIN = (GREEDY, NUCLEUS, EXACT)  # first tokens and masked samplers: fewer programs, a little more work
+WARM = {DECODE_CHAIN: ((GREEDY, 0), (SAMPLED, 0), (NUCLEUS, 0), (NUCLEUS, MAX_LOGPROBS)),
+        SPARSE_CHAIN: ((GREEDY, 0), (NUCLEUS, 0), (NUCLEUS, MAX_LOGPROBS))}
 
 
 def bucket(n: int, smallest: int, largest: int) -> int:
@@ -53,6 +61,7 @@ class StepRules:
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE  # which logprobs the samplers report (prompt logprobs: always raw)
     num_layers: int = 0  # the model's: the shape of a steered step's vectors [rows, num_layers, hidden_size]
     hidden_size: int = 0
+    structured: bool = False  # the engine serves structured outputs: every first-token sampler is the masked one
 
     def rows(self, n: int) -> int:
         """Rows of a step over n requests."""
@@ -68,6 +77,13 @@ class StepRules:
         if self.impl != "xla":
             return self.max_seq_len
         return bucket(needed, self.min_kv_bucket, self.max_seq_len)
+
+    def paths(self, sampling: SamplingArrays, num_top: int, chain: tuple[Paths, ...]) -> Paths:
+        """The sampler variant for these packed rows: the first of `chain` (`DECODE_CHAIN` / `SPARSE_CHAIN`) that
+        covers what they need (`sampling.paths_for`); a step returning top logprobs takes NUCLEUS at least, so
+        `WARM` stays a handful of programs per row count."""
+        need = paths_for(sampling, self.vocab_size)
+        return next(v for v in chain if covers(v, need) and (not num_top or covers(v, NUCLEUS)))
 
     def dense(self, rows: int) -> bool:
         """Whether a decode over `rows` rows puts slot i in row i, so attention reads the cache in place.
@@ -102,7 +118,8 @@ class PrefillPlan:
     lengths: Any  # int32 [rows]
     selector: Any = None  # int32 [rows]: row b runs hooks[selector[b] - 1] (0: none); None when no row has a hook
     targets: Any = None  # int32 [rows, width]: prompt token after each position; None: no row scores its prompt
-    scored: Any = None  # bool [rows]: rows whose prompt positions are scored (with `targets`)
+    scored: Any = None  # int32 [1 or rows]: the rows whose prompt positions are scored (with `targets`), padded
+    # with a repeat (`scored_rows`)
     steer: Any = None  # float32 [rows, layers, hidden]: added to row b's stream after each layer (None: no row
     # steers; `SamplingParams.steer`); data, so every set of vectors runs one program
     kv_len: int = static(0)
@@ -156,6 +173,7 @@ class SamplePlan:
     bias: Any = None
     num_top: int = static(0)  # top logprobs returned per row
     logprobs_mode: str = static(DEFAULT_LOGPROBS_MODE)  # the engine's (`sampling.sample`): one program per engine
+    paths: Paths = static(EXACT)  # the sampler's parts (`sampling.paths_for` of the rows): one program per variant
 
     @property
     def first(self) -> bool:
@@ -199,6 +217,8 @@ class VerifySamplePlan:
     num_drafts: Any  # int32 [rows]
     num_top: int = static(0)
     logprobs_mode: str = static(DEFAULT_LOGPROBS_MODE)
+    paths: Paths = static(EXACT)  # as SamplePlan.paths
+    penalized: bool = static(True)  # some row penalizes: the program builds every position's penalty counts
 
 
 # ---- from requests -----------------------------------------------------------------------------------------------
@@ -240,6 +260,21 @@ def scored_positions(req: BatchedRequest, begin: int, n: int) -> int:
     return max(0, min(n, len(req.prompt_tokens) - 1 - begin))
 
 
+def unlimited(rows: int, vocab: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(allowed, bias_ids, bias) of rows that may take every token with no bias: a masked sampler's neutral rows,
+    bit for bit the unmasked sampler's tokens (`sampling.sample`)."""
+    return (all_allowed(rows, vocab), np.full((rows, MAX_LOGIT_BIAS), vocab, np.int32),
+            np.zeros((rows, MAX_LOGIT_BIAS), np.float32))
+
+
+def scored_rows(named: np.ndarray, rows: int) -> np.ndarray:
+    """The rows a scored prefill computes logits for, int32: one when one row asked (the common mixed chunk),
+    else every row of the chunk (`named` first, then a repeat of the first: a padded row computes and writes the same
+    values twice). Two sizes per prefill shape, so prompt logprobs warm up in two programs, not one per count."""
+    size = 1 if len(named) == 1 else rows
+    return np.concatenate([named, np.full(size - len(named), named[0])]).astype(np.int32)
+
+
 def prefill_plans(rules: StepRules, chunks: Sequence[tuple[BatchedRequest, int]]
                   ) -> tuple[PrefillPlan, SamplePlan | None]:
     """The prefill of the next n prompt tokens of each (request, n), and the sampler over the rows whose prompt it
@@ -266,7 +301,7 @@ def prefill_plans(rules: StepRules, chunks: Sequence[tuple[BatchedRequest, int]]
     selector, hooks = row_selector(padded)
     scored = counts.any()  # only a chunk with a row that asked pays for every position's logits
     plan = PrefillPlan(tokens, slots, starts, lengths, selector, targets if scored else None,
-                       counts > 0 if scored else None, row_steering(rules, padded),
+                       scored_rows(np.flatnonzero(counts), rows) if scored else None, row_steering(rules, padded),
                        kv_len=rules.kv_len(int((starts + lengths).max())), hooks=hooks,
                        num_top=MAX_LOGPROBS if scored else 0,
                        capture=any(final[i] and r.sampling.return_hidden for i, (r, _) in enumerate(chunks)))
@@ -275,9 +310,11 @@ def prefill_plans(rules: StepRules, chunks: Sequence[tuple[BatchedRequest, int]]
     requests = [r for r, _ in chunks]
     sampling = pack_sampling([r.sampling for r in requests], [r.seed for r in requests], pad_to=rows)
     limits = pack_limits([r if final[i] else None for i, r in enumerate(requests)] + [None] * (rows - len(chunks)),
-                         rules.vocab_size) or (None, None, None)
+                         rules.vocab_size) or (unlimited(rows, rules.vocab_size) if rules.structured else (None,) * 3)
+    num_top = top_count(requests)
     return plan, SamplePlan(slots, final, sampling, masks, np.where(final, starts + lengths, 0).astype(np.int32),
-                            *limits, num_top=top_count(requests), logprobs_mode=rules.logprobs_mode)
+                            *limits, num_top=num_top, logprobs_mode=rules.logprobs_mode,
+                            paths=rules.paths(sampling, num_top, SPARSE_CHAIN))
 
 
 def decode_rows(rules: StepRules, running: Sequence[BatchedRequest]) -> tuple[list[BatchedRequest | None], bool]:
@@ -308,8 +345,10 @@ def decode_plans(rules: StepRules, running: Sequence[BatchedRequest], reach: Cal
     sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in rows],
                              [r.seed if r else 0 for r in rows])
     limits = pack_limits(rows, rules.vocab_size) or (None, None, None)
-    return rows, plan, SamplePlan(slots, active, sampling, None, None, *limits, num_top=top_count(rows),
-                                  logprobs_mode=rules.logprobs_mode)
+    num_top = top_count(rows)
+    chain = SPARSE_CHAIN if limits[0] is not None else DECODE_CHAIN
+    return rows, plan, SamplePlan(slots, active, sampling, None, None, *limits, num_top=num_top,
+                                  logprobs_mode=rules.logprobs_mode, paths=rules.paths(sampling, num_top, chain))
 
 
 def verify_plans(rules: StepRules, running: Sequence[BatchedRequest], drafts: Sequence[Sequence[int]],
@@ -329,8 +368,11 @@ def verify_plans(rules: StepRules, running: Sequence[BatchedRequest], drafts: Se
     plan = VerifyPlan(tokens, slots, starts, lengths, selector, row_steering(rules, padded),
                       kv_len=rules.kv_len(int((starts + lengths).max())), hooks=hooks)
     sampling = pack_sampling([r.sampling for r in running], [r.seed for r in running], pad_to=rows)
+    num_top = top_count(padded)
     return padded, plan, VerifySamplePlan(slots, lengths > 0, steps, starts, sampling, draft, counts,
-                                          num_top=top_count(padded), logprobs_mode=rules.logprobs_mode)
+                                          num_top=num_top, logprobs_mode=rules.logprobs_mode,
+                                          paths=rules.paths(sampling, num_top, DECODE_CHAIN),
+                                          penalized=penalizes(sampling))
 
 
 def decode_at(rules: StepRules, positions: Sequence[int]) -> tuple[DecodePlan, SamplePlan]:
@@ -347,15 +389,19 @@ def decode_at(rules: StepRules, positions: Sequence[int]) -> tuple[DecodePlan, S
 class Signature(NamedTuple):
     """One step call shape: `step` over `rows` rows (0: not a batch); the other fields where the step has them."""
 
-    step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode, sample_next, copy_prefix;
-    # sample_first_masked / sample_next_masked: the samplers with `allowed` masks; verify (speculative: every
-    # position's logits), sample_verify
+    step: str  # prefill, prefill_scored (prompt logprobs), sample_first, decode_sample (a decode and its sampler in
+    # one program), copy_prefix; decode (the forward pass alone) with sample_next_masked: a step whose masks wait
+    # for the host (structured outputs); sample_first_masked / sample_next: the other samplers; verify
+    # (speculative: every position's logits), sample_verify
     rows: int = 0
     width: int = 0  # prefill chunk bucket (verify: its width, k + 1)
     kv_len: int = 0  # attention length bucket
     num_top: int = 0  # top logprobs the sampler returns
     steered: bool = False  # a forward step with steering vectors (`PrefillPlan.steer`): its own program
     captured: bool = False  # a prefill or decode step returning the residual stream (`PrefillPlan.capture`)
+    paths: Paths | None = None  # a sampler's parts (`sampling.Paths`; None: EXACT); decode_sample's sampler
+    penalized: bool = False  # sample_verify: builds every position's penalty counts (`VerifySamplePlan.penalized`)
+    scored: int = 0  # prefill_scored: rows whose prompt is scored (`scored_rows`: 1, or 0 for every row)
 
 
 def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool = False, steering: bool = False,
@@ -363,7 +409,9 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
     """Every step signature an engine with these rules can call; each sampler follows a forward step over its rows,
     each device-fed decode a sampler. `prompt_logprobs` adds the prefill variant that scores prompt tokens (one per
     prefill shape: as many compiles again as the plain prefill, which is why it is opt-in); `structured` the
-    samplers with token masks (an engine that can serve structured outputs: it has a tokenizer)."""
+    samplers with token masks and the forward pass their steps run alone (an engine that can serve structured outputs:
+    it has a tokenizer). Each sampler comes in the variants of `WARM` (`sampling.Paths`; the others compile on first
+    use); a decode step is its forward pass and sampler in one program (`decode_sample`)."""
     if rules.max_seq_len < 2:  # no prompt fits: nothing ever runs
         return []
     rows = sorted({rules.rows(n) for n in range(1, rules.num_slots + 1)})
@@ -372,23 +420,28 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
     shortest = {}  # chunk width -> the shortest chunk compiled at it (a prompt leaves one position to generate)
     for n in range(min(rules.prefill_chunk, rules.max_seq_len - 1), 0, -1):
         shortest[rules.width(n)] = n
-    tops = (0, MAX_LOGPROBS)
     calls = []
     for r in rows:
         prefill = [Signature("prefill", r, w, k) for w, n in sorted(shortest.items()) for k in kv_lens if k >= kv[n]]
-        calls += prefill + ([c._replace(step="prefill_scored") for c in prefill] if prompt_logprobs else [])
-        masked = ("", "_masked") if structured else ("",)
-        calls += [Signature("sample_first" + m, r, num_top=t) for m in masked for t in tops]
-        calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
-        calls += [Signature("sample_next" + m, r, num_top=t) for m in masked for t in tops]
+        calls += prefill
+        if prompt_logprobs:  # two programs per prefill shape: one scored row, or every row (`scored_rows`)
+            calls += [c._replace(step="prefill_scored", scored=n) for c in prefill for n in sorted({1, r})]
+        first = "sample_first_masked" if rules.structured else "sample_first"
+        calls += [Signature(first, r, num_top=t, paths=p) for p, t in WARM[SPARSE_CHAIN]]
+        calls += [Signature("decode_sample", r, kv_len=k, num_top=t, paths=p) for k in kv_lens
+                  for p, t in WARM[DECODE_CHAIN]]
+        if structured:  # a step whose masks wait for the tokens in flight: its forward pass, then its sampler
+            calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
+            calls += [Signature("sample_next_masked", r, num_top=t, paths=p) for p, t in WARM[SPARSE_CHAIN]]
         if rules.verify_width:
             w = rules.verify_width
             calls += [Signature("verify", r, w, k) for k in kv_lens]
-            calls += [Signature("sample_verify", r, w, num_top=t) for t in tops]
+            calls += [Signature("sample_verify", r, w, num_top=t, paths=p) for p, t in WARM[DECODE_CHAIN]]
+    forward = ("prefill", "decode_sample", "decode", "verify")
     if steering:  # every forward step again with steering vectors (one program each, whatever the vectors)
-        calls += [c._replace(steered=True) for c in calls if c.step in ("prefill", "decode", "verify")]
+        calls += [c._replace(steered=True) for c in calls if c.step in forward]
     if return_hidden:  # prefill and decode again returning the residual stream (SamplingParams.return_hidden)
-        calls += [c._replace(captured=True) for c in calls if c.step in ("prefill", "decode")]
+        calls += [c._replace(captured=True) for c in calls if c.step in forward[:3]]
     if rules.num_slots > 1:  # a prefix is copied from another slot only
         calls.append(Signature("copy_prefix"))
     return calls
@@ -405,7 +458,8 @@ def empty_prefill(rules: StepRules, call: Signature) -> PrefillPlan:
     empty = np.zeros((r, call.width), np.int32)
     scored = call.step == "prefill_scored"
     return PrefillPlan(empty, zeros, zeros, zeros, None, empty if scored else None,
-                       np.zeros(r, bool) if scored else None, empty_steer(rules, call), kv_len=call.kv_len,
+                       np.zeros(call.scored or r, np.int32) if scored else None, empty_steer(rules, call),
+                       kv_len=call.kv_len,
                        num_top=MAX_LOGPROBS if scored else 0, capture=call.captured)
 
 
@@ -423,12 +477,14 @@ def empty_sample(rules: StepRules, call: Signature) -> SamplePlan:
     sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
     first = call.step.startswith("sample_first")
     masks, positions = (np.zeros((r, rules.vocab_size), bool), zeros) if first else (None, None)
-    limits = (None, None, None)
-    if call.step.endswith("_masked"):
-        limits = (all_allowed(r, rules.vocab_size), np.full((r, MAX_LOGIT_BIAS), rules.vocab_size, np.int32),
-                  np.zeros((r, MAX_LOGIT_BIAS), np.float32))
+    limits = unlimited(r, rules.vocab_size) if call.step.endswith("_masked") else (None, None, None)
     return SamplePlan(zeros, np.zeros(r, bool), sampling, masks, positions, *limits, num_top=call.num_top,
-                      logprobs_mode=rules.logprobs_mode)
+                      logprobs_mode=rules.logprobs_mode, paths=call.paths or EXACT)
+
+
+def empty_decode_sample(rules: StepRules, call: Signature) -> tuple[DecodePlan, SamplePlan]:
+    """A decode step and its sampler (`decode_sample`) of `call`'s shape over inactive rows."""
+    return empty_decode(rules, call), empty_sample(rules, call._replace(step="sample_next"))
 
 
 def empty_verify(rules: StepRules, call: Signature) -> VerifyPlan:
@@ -443,4 +499,5 @@ def empty_verify_sample(rules: StepRules, call: Signature) -> VerifySamplePlan:
     r, zeros = call.rows, np.zeros(call.rows, np.int32)
     sampling = pack_sampling([SamplingParams(temperature=0.0)] * r, [0] * r)
     return VerifySamplePlan(zeros, np.zeros(r, bool), zeros, zeros, sampling, np.zeros((r, call.width - 1), np.int32),
-                            zeros, num_top=call.num_top, logprobs_mode=rules.logprobs_mode)
+                            zeros, num_top=call.num_top, logprobs_mode=rules.logprobs_mode,
+                            paths=call.paths or EXACT, penalized=call.penalized)

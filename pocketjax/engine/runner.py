@@ -11,6 +11,7 @@ HLO checks, benchmarks) loop over it.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,8 @@ from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 from . import plan as plans
 from .plan import Signature, StepRules, signatures
-from .steps import (SlotState, copy_slot_prefix, decode_step, prefill_step, sample_step, verify_sample_step,
-                    verify_step)
+from .steps import (SlotState, copy_slot_prefix, decode_sample_step, decode_step, prefill_step, sample_step,
+                    verify_sample_step, verify_step)
 
 
 @dataclass(frozen=True)
@@ -36,8 +37,8 @@ class StepKind:
     function: Any  # the jitted step (`steps.py`)
     empty: Callable[[StepRules, Signature], Any] | None  # None: takes no plan (copy_prefix)
     feeds: str  # "forward": (params, cache, plan) -> (cache, logits, ...); "decode": (params, cache, slot state,
-    # plan) -> (cache, logits); "sampler": (slot state, logits, plan) -> (slot state, ...); "copy": (cache, src,
-    # dst, length) -> cache
+    # plan) -> (cache, logits); "sampler": (slot state, logits, plan) -> (slot state, ...); "fused": (params, cache,
+    # slot state, plan, sample plan) -> (cache, slot state, ...); "copy": (cache, src, dst, length) -> cache
     logits: str = ""  # forward steps: the logits they produce; samplers: the logits they read ("token" [rows,
     # vocab] in the model's dtype, "verify" [rows, width, vocab] float32)
 
@@ -46,6 +47,7 @@ STEP_KINDS: dict[str, StepKind] = {
     "prefill": StepKind(prefill_step, plans.empty_prefill, "forward", "token"),
     "prefill_scored": StepKind(prefill_step, plans.empty_prefill, "forward", "token"),  # prompt logprobs
     "decode": StepKind(decode_step, plans.empty_decode, "decode", "token"),
+    "decode_sample": StepKind(decode_sample_step, plans.empty_decode_sample, "fused"),
     **{name: StepKind(sample_step, plans.empty_sample, "sampler", "token")
        for name in ("sample_first", "sample_next", "sample_first_masked", "sample_next_masked")},
     "verify": StepKind(verify_step, plans.empty_verify, "forward", "verify"),
@@ -76,6 +78,11 @@ def empty_plan(rules: StepRules, call: Signature) -> Any:
     return kind.empty(rules, call)
 
 
+def plan_args(kind: StepKind, plan: Any) -> tuple:
+    """A plan as the step's arguments: a fused step's is the pair (decode plan, sample plan)."""
+    return plan if kind.feeds == "fused" else (plan,)
+
+
 class Device:
     """One engine's weights and donated buffers, and the steps that run on them (`run`)."""
 
@@ -83,20 +90,29 @@ class Device:
         self.params, self.config, self.impl, self.dtype = params, config, impl, dtype  # dtype: the model's
         self.cache: KVCache | None = None
         self.state: SlotState | None = None  # each slot's next decode input and penalty state
+        self.warm = False  # warm-up ran: a step that compiles afterwards is logged (`run`)
 
     def run(self, name: str, *args: Any) -> Any:
-        """Step `name` (a `plan.Signature` step) on this device's buffers: a plan (a sampler: logits, plan; copy_prefix:
-        src, dst, length); the buffer it donates is replaced by the step's result, the rest is returned (one value,
-        a tuple of several, or None)."""
+        """Step `name` (a `plan.Signature` step) on this device's buffers: a plan (a sampler: logits, plan; a fused step:
+        its two plans; copy_prefix: src, dst, length); the buffers it donates are replaced by the step's results, the
+        rest is returned (one value, a tuple of several, or None). Once warm, a call that compiles says so in a log
+        line (a rare variant, or a shape warm-up did not cover)."""
         kind = step_kind(name)
+        before = compiled_count() if self.warm else None
         if kind.feeds == "copy":
             self.cache = kind.function(self.cache, *args)
-            return None
-        if kind.feeds == "sampler":
+            out = [None]
+        elif kind.feeds == "sampler":
             self.state, *out = kind.function(self.state, *args)
+        elif kind.feeds == "fused":
+            self.cache, self.state, *out = kind.function(self.params, self.cache, self.state, *args,
+                                                         config=self.config, impl=self.impl)
         else:
             lead = (self.params, self.cache, self.state) if kind.feeds == "decode" else (self.params, self.cache)
             self.cache, *out = kind.function(*lead, *args, config=self.config, impl=self.impl)
+        if before is not None and compiled_count() != before:
+            logging.getLogger("pocketjax").info("pocketjax: compiled a %s step on first use (warm-up does not cover "
+                                                "its shape or variant)", name)
         return out[0] if len(out) == 1 else tuple(out)
 
     def _logits(self, kind: StepKind, call: Signature) -> jax.ShapeDtypeStruct:
@@ -113,8 +129,8 @@ class Device:
         plan = kind.empty(rules, call)
         if kind.feeds == "sampler":
             return kind.function.lower(self.state, self._logits(kind, call), plan)
-        lead = (self.params, self.cache, self.state) if kind.feeds == "decode" else (self.params, self.cache)
-        return kind.function.lower(*lead, plan, config=self.config, impl=self.impl)
+        lead = (self.params, self.cache) + ((self.state,) if kind.feeds in ("decode", "fused") else ())
+        return kind.function.lower(*lead, *plan_args(kind, plan), config=self.config, impl=self.impl)
 
     def warmup(self, rules: StepRules, progress: bool = True, prompt_logprobs: bool = False,
                structured: bool = False, steering: bool = False, return_hidden: bool = False,
@@ -133,7 +149,7 @@ class Device:
         calls = signatures(rules, prompt_logprobs, structured, steering, return_hidden)
         if calls:  # the first forward and sampler calls see the cache and slot state as allocated, and a step may
             # return them in another form (on a mesh, the state comes back replicated over it): run both again
-            calls += [calls[0], next(c for c in calls if c.step == "sample_first")]
+            calls += [calls[0], next(c for c in calls if c.step.startswith("sample_first"))]
         bar = tqdm(calls, desc="pocketjax warm-up", unit="shape", disable=not progress)
         for done, call in enumerate(bar, 1):
             bar.set_postfix_str(" ".join(f"{k}={v}" for k, v in call._asdict().items() if v), refresh=False)
@@ -142,10 +158,13 @@ class Device:
                 self.run(call.step, np.int32(0), np.int32(0), np.int32(self.cache.lengths[0]))
             elif kind.feeds == "sampler":
                 self.run(call.step, logits[kind.logits, call.rows], kind.empty(rules, call))
+            elif kind.feeds == "fused":
+                self.run(call.step, *kind.empty(rules, call))
             else:
                 out = self.run(call.step, kind.empty(rules, call))
                 logits[kind.logits, call.rows] = out[0] if isinstance(out, tuple) else out  # (prefill, decode: tuples)
             if progress_callback is not None:
                 progress_callback(done, len(calls))
         jax.block_until_ready((self.cache, self.state))
+        self.warm = True
         return compiled_count() - before

@@ -19,7 +19,7 @@ from ..model.config import ModelConfig
 from ..model.decoder import Hook, Params, decode_forward, lm_head, prefill_forward
 from ..model.kv_cache import KVCache, copy_prefix
 from .plan import DecodePlan, PrefillPlan, SamplePlan, VerifyPlan, VerifySamplePlan
-from .sampling import SampleOutput, any_penalized, sample, token_logprobs
+from .sampling import SampleOutput, sample, token_logprobs
 
 
 @jax.tree_util.register_dataclass
@@ -106,21 +106,30 @@ def prefill_step(params, cache: KVCache, plan: PrefillPlan, *, config: ModelConf
 def score_positions(params: Params, hidden: jax.Array, targets: jax.Array, scored: jax.Array,
                     num_top: int) -> SampleOutput:
     """Raw logprob of targets [B, T] under the logits at each position of hidden [B, T, H], and the top-`num_top`
-    ([B, T] and [B, T, num_top]); rows not `scored` [B] get zeros without computing their logits. Raw logprobs
-    whatever the engine's logprobs_mode: nothing is sampled at a prompt position, so nothing processes it, and
-    `LLM.score` sums them as log-likelihoods.
+    ([B, T] and [B, T, num_top]), for the rows `scored` int32 [n] names (its length is part of the program: the
+    host pads it with a repeated row); other rows get zeros without computing their logits. Raw logprobs whatever
+    the engine's logprobs_mode: nothing is sampled at a prompt position, so nothing processes it, and `LLM.score`
+    sums them as log-likelihoods.
 
-    One row at a time (`lax.map`), so the largest live array is one row's [T, vocab] logits, not the chunk's:
-    at Qwen's vocab of 151,936 and T=512 that is 311 MB per row in float32 instead of 2.5 GB for 8 rows.
+    One named row at a time (`lax.map`: a loop of known length), so the largest live array is one row's [T, vocab]
+    logits, not the chunk's: at Qwen's vocab of 151,936 and T=512 that is 311 MB per row in float32 instead of
+    2.5 GB for 8 rows. No branch on the data (a `lax.cond` drains an XLA:GPU stream): the rows are chosen by index.
     """
-    def row(args: tuple[jax.Array, jax.Array, jax.Array]) -> SampleOutput:
-        h, target, on = args
-        t = target.shape[0]
-        skipped = SampleOutput(target, jnp.zeros(t, jnp.float32), jnp.zeros((t, num_top), jnp.int32),
-                               jnp.zeros((t, num_top), jnp.float32))
-        return lax.cond(on, lambda: token_logprobs(lm_head(params, h), target, num_top), lambda: skipped)
+    out = lax.map(lambda args: token_logprobs(lm_head(params, args[0]), args[1], num_top),
+                  (hidden[scored], targets[scored]))
+    b, t = targets.shape
+    empty = SampleOutput(targets, jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t, num_top), jnp.int32),
+                         jnp.zeros((b, t, num_top), jnp.float32))
+    return jax.tree_util.tree_map(lambda whole, rows: whole.at[scored].set(rows), empty, out)
 
-    return lax.map(row, (hidden, targets, scored))
+
+def _decode(params, cache: KVCache, state: SlotState, plan: DecodePlan, config: ModelConfig, impl: str
+            ) -> tuple[KVCache, jax.Array, jax.Array | None]:
+    positions = jnp.where(plan.active, state.position[plan.slots], 0)
+    cache, logits, *captured = decode_forward(
+        params, config, impl, plan.kv_len, cache, state.token[plan.slots], plan.slots, positions, plan.active,
+        dense=plan.dense, hook=row_hooks(plan.hooks, plan.selector), steer=plan.steer, capture=plan.capture)
+    return cache, logits, captured[0] if plan.capture else None
 
 
 @partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache",))
@@ -128,12 +137,22 @@ def decode_step(params, cache: KVCache, state: SlotState, plan: DecodePlan, *, c
                 ) -> tuple[KVCache, jax.Array, jax.Array | None]:
     """One token per row, each its slot's last sampled token at its slot's position (`state`, read, not donated:
     the sampler after this step writes it); `plan.dense`: row i is slot i for every slot, so attention reads the
-    cache in place. With `plan.capture`, also the residual stream of every row [B, layers + 1, H] (else None)."""
-    positions = jnp.where(plan.active, state.position[plan.slots], 0)
-    cache, logits, *captured = decode_forward(
-        params, config, impl, plan.kv_len, cache, state.token[plan.slots], plan.slots, positions, plan.active,
-        dense=plan.dense, hook=row_hooks(plan.hooks, plan.selector), steer=plan.steer, capture=plan.capture)
-    return cache, logits, captured[0] if plan.capture else None
+    cache in place. With `plan.capture`, also the residual stream of every row [B, layers + 1, H] (else None).
+
+    The forward pass alone: what a step runs whose sampler must wait for masks the host computes from the tokens
+    still in flight (structured outputs); every other decode step is `decode_sample_step`, one program."""
+    return _decode(params, cache, state, plan, config, impl)
+
+
+@partial(jax.jit, static_argnames=("config", "impl"), donate_argnames=("cache", "state"))
+def decode_sample_step(params, cache: KVCache, state: SlotState, plan: DecodePlan, sample: SamplePlan, *,
+                       config: ModelConfig, impl: str
+                       ) -> tuple[KVCache, SlotState, SampleOutput, jax.Array | None]:
+    """A decode step and its sampler as one program (one dispatch per token, no logits leaving it): the forward pass
+    of `decode_step`, then `sample_step`'s draw; the cache and the slot state are both donated."""
+    cache, logits, captured = _decode(params, cache, state, plan, config, impl)
+    state, out = _sample(state, logits, sample)
+    return cache, state, out, captured
 
 
 @partial(jax.jit, donate_argnames=("state",))
@@ -143,20 +162,24 @@ def sample_step(state: SlotState, logits: jax.Array, plan: SamplePlan) -> tuple[
 
     A plan with `prompt_masks` samples first tokens: those rows' slot state restarts with their prompt. A plan
     with `allowed` (structured outputs, `processors`) samples only the tokens each row's bitmask allows, plus its
-    logit_bias (`sampling.sample`).
+    logit_bias (`sampling.sample`); `plan.paths` are the parts the sampler's program holds.
     """
+    return _sample(state, logits, plan)
+
+
+def _sample(state: SlotState, logits: jax.Array, plan: SamplePlan) -> tuple[SlotState, SampleOutput]:
     rows = jnp.where(plan.rows_on, plan.slots, state.num_slots)  # a row aimed past the slots is dropped
     if plan.first:
         zeros = jnp.zeros(plan.prompt_masks.shape, jnp.int32)
         steps = jnp.zeros(plan.slots.shape, jnp.int32)
         out = sample(logits, plan.sampling, plan.prompt_masks, zeros, steps, plan.allowed, plan.bias_ids,
-                     plan.bias, num_top=plan.num_top, logprobs_mode=plan.logprobs_mode)
+                     plan.bias, num_top=plan.num_top, logprobs_mode=plan.logprobs_mode, paths=plan.paths)
         state = state.restart(rows, plan.prompt_masks).count(rows, out.tokens)
         return state.advance(rows, out.tokens, plan.positions, steps + 1), out
     steps = state.generated[plan.slots]
     out = sample(logits, plan.sampling, state.prompt_mask[plan.slots], state.output_counts[plan.slots],
                  steps, plan.allowed, plan.bias_ids, plan.bias, num_top=plan.num_top,
-                 logprobs_mode=plan.logprobs_mode)
+                 logprobs_mode=plan.logprobs_mode, paths=plan.paths)
     return state.count(rows, out.tokens).advance(rows, out.tokens, state.position[plan.slots] + 1, steps + 1), out
 
 
@@ -206,15 +229,16 @@ def verify_sample_step(state: SlotState, logits: jax.Array, plan: VerifySamplePl
         ].add(counted.astype(jnp.int32))
         counts = state.output_counts[plan.slots][:, None] + extra
         return sample(flat(logits), arrays, repeat(state.prompt_mask[plan.slots]), flat(counts), steps,
-                      num_top=plan.num_top, logprobs_mode=plan.logprobs_mode)
+                      num_top=plan.num_top, logprobs_mode=plan.logprobs_mode, paths=plan.paths)
 
     def neutral() -> SampleOutput:  # no row penalizes: penalties are an exact identity, so skip their state
         return sample(flat(logits), arrays, None, None, steps, num_top=plan.num_top,
-                      logprobs_mode=plan.logprobs_mode)
+                      logprobs_mode=plan.logprobs_mode, paths=plan.paths)
 
     # The [rows * width, vocab] counts and masks cost more than the sampling itself (Qwen3's vocabulary: 143 of
-    # 1443 ms at 8 rows on CPU, measured), and most batches have no penalized row: build them only when one has.
-    out = lax.cond(any_penalized(plan.sampling), penalized, neutral)
+    # 1443 ms at 8 rows on CPU, measured), and most batches have no penalized row: the host knows whether one has
+    # (`plan.penalized`, static), so only such a batch's program builds them.
+    out = penalized() if plan.penalized else neutral()
     out = jax.tree_util.tree_map(lambda x: x.reshape(rows, width, *x.shape[1:]), out)
     agree = (out.tokens[:, :k] == plan.drafts) & (jnp.arange(k)[None, :] < plan.num_drafts[:, None])
     accepted = jnp.sum(jnp.cumprod(agree.astype(jnp.int32), axis=1), axis=1)

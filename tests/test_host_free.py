@@ -1,0 +1,76 @@
+"""Issue 66: no host in a decode step. No program on the decode path holds a branch the device decides (an HLO
+`conditional`, or a `while` whose trip count depends on the data): on XLA:GPU each executed one copies its predicate
+to the host and drains the stream, and neither joins a CUDA graph. A decode step and its sampler are one program, so
+a generated token costs one dispatch and one host read."""
+import re
+
+import numpy as np
+import pytest
+
+import pocketjax as pj
+from pocketjax.engine.plan import DECODE_CHAIN, SPARSE_CHAIN, signatures
+from pocketjax.engine.request import BatchedRequest
+from pocketjax.engine.sampling import EXACT
+
+from test_structured import EOS, byte_tokenizer
+
+OPTIONS = dict(max_batch_size=1, max_seq_len=32, prefill_chunk=16, min_kv_bucket=32, compile_cache_dir="off")
+SAMPLERS = ("sample_first", "sample_first_masked", "decode_sample", "sample_next_masked", "sample_verify")
+
+
+def device_branches(hlo: str) -> list[str]:
+    """The lines of compiled HLO text that decide a branch on the device: conditionals, and while loops without a
+    known trip count."""
+    return [line.strip()[:160] for line in hlo.splitlines()
+            if "conditional(" in line or (re.search(r"\bwhile\(", line) and "known_trip_count" not in line)]
+
+
+@pytest.fixture(scope="module")
+def engine(hf_checkpoint):
+    model = pj.load_model(hf_checkpoint("qwen3_gqa4_headdim", eos_token_id=EOS))
+    speculative = dict(method="ngram", num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1)
+    return pj.Engine(model, tokenizer=byte_tokenizer(), speculative=speculative, **OPTIONS)
+
+
+def test_no_decode_path_program_decides_a_branch_on_the_device(engine):
+    """Every signature warm-up compiles (prompt logprobs, structured outputs, speculation, steering and hidden
+    states included), and every sampler in the variants compiled on first use (EXACT, penalized verification)."""
+    calls = signatures(engine.rules, prompt_logprobs=True, structured=True, steering=True, return_hidden=True)
+    assert {c.step for c in calls} >= {"prefill", "prefill_scored", "decode", *SAMPLERS[1:], "verify"}
+    calls += [c._replace(paths=EXACT) for c in calls if c.step in SAMPLERS and not c.steered and not c.captured]
+    calls += [c._replace(penalized=True) for c in calls if c.step == "sample_verify"]
+    found = {call: device_branches(engine.lower(call).compile().as_text()) for call in calls}
+    assert {call: lines for call, lines in found.items() if lines} == {}
+
+
+def test_warm_up_compiles_a_handful_of_sampler_variants(engine):
+    """The variants stay few: at most four sampler programs per step kind and row count (`plan.WARM`)."""
+    calls = signatures(engine.rules, structured=True)
+    for step in SAMPLERS[1:]:
+        assert 0 < len([c for c in calls if c.step == step]) <= max(len(DECODE_CHAIN), len(SPARSE_CHAIN))
+    assert not [c for c in calls if c.step == "sample_first"]  # structured: every first token takes the masked one
+
+
+def test_a_decode_token_costs_one_dispatch_and_one_host_read(engine, monkeypatch):
+    """Steady decoding (no masks from the host) runs one program per step, and reads its tokens once."""
+    import pocketjax.engine.engine as engine_module
+
+    req = BatchedRequest(0, [1, 2, 3, 4, 5], pj.SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, seed=1,
+                                                               ignore_eos=True))
+    engine.allocate_slot(req)
+    engine.batch_prefill([req])
+    runs, reads = [], []
+    run = engine.device.run
+    monkeypatch.setattr(engine.device, "run", lambda name, *a: runs.append(name) or run(name, *a))
+    monkeypatch.setattr(engine_module, "to_host", lambda x, read=engine_module.to_host: reads.append(1) or read(x))
+    pending = engine.decode_dispatch([req])
+    steps = 1
+    while not req.finished:
+        following = engine.decode_dispatch([req], after=pending)
+        engine.decode_collect(pending)
+        pending, steps = following, steps + 1
+    engine.decode_collect(pending)
+    engine.free_slot(req.request_id)
+    assert len(req.generated_tokens) == 6
+    ran = [name for name in runs]
+    assert set(ran) == {"decode_sample"} and len(ran) == len(reads) == 5  # the last dispatch finds the row done
