@@ -425,3 +425,27 @@ def test_cli_serve_warms_up_while_listening(monkeypatch):
     events.clear()
     assert cli.main(["serve", "--no-warmup", "--max-batch-size", "2", "--max-seq-len", "64"]) == 0
     assert events == [("serve", False)]
+
+
+def test_readiness_reports_the_engines_warmup_call_by_call(llm, monkeypatch):
+    """Engine.warmup's progress_callback after each of its calls, as `serve`'s Readiness reads it (the step calls are
+    recorded, not run: compiling every shape is tests/test_warmup.py's, and minutes on 2 busy cores)."""
+    from pocketjax.engine.plan import signatures
+    from pocketjax.serve.http.readiness import Readiness
+
+    readiness, seen = Readiness(), []
+    monkeypatch.setattr(llm.engine.device, "run", lambda step, *args: seen.append(("ran", step)))
+
+    def warm(progress):
+        def record(done, total):
+            seen.append((done, total, readiness.status))
+            progress(done, total)
+        llm.engine.warmup(progress=False, progress_callback=record)
+
+    readiness.start(warm).join(60)
+    total = len(signatures(llm.engine.rules, structured=True)) + 2  # the first forward and sampler calls run twice
+    reports = [entry for entry in seen if entry[0] != "ran"]
+    assert [(d, t) for d, t, _ in reports] == [(d, total) for d in range(1, total + 1)]
+    assert [entry[0] for entry in seen] == ["ran", 1] + [x for d in range(2, total + 1) for x in ("ran", d)]
+    assert {s for _, _, s in reports} == {"warming"} and readiness.ready and readiness.error is None
+    assert readiness.health()["progress"] == {"done": total, "total": total}
