@@ -2,7 +2,8 @@
 float64 product of the same values in every code path this CPU has, and row-count invariant bit for bit; attention
 against the XLA reference for every cache form, and invariant to the batch, the chunk and the cache length; their use
 in `layers.linear` and the engine (single-device programs only); the build: fallback without a compiler, the cache,
-its build key, an unwritable cache."""
+its build key, an unwritable cache, and a cache that is not this user's alone (refused; loaded from the checked
+descriptor)."""
 import dataclasses
 import logging
 import os
