@@ -22,6 +22,7 @@ transformers = oracle("transformers")
 
 NAME = "qwen3"
 GREEDY = {"temperature": 0}
+THINK_OFF = {"chat_template_kwargs": {"enable_thinking": False}}  # the chat endpoint's spelling of the default here
 ADD = {"type": "object", "additionalProperties": False, "required": ["a", "b"],
        "properties": {"a": {"type": "integer", "minimum": -99, "maximum": 99},
                       "b": {"type": "integer", "minimum": -99, "maximum": 99}}}
@@ -91,15 +92,16 @@ def test_text_system_and_turns_equal_chat_completions(client, chat, hf):
     for max_tokens in (BUDGET, 5):
         out = client.messages.create(model=NAME, max_tokens=max_tokens, system=system, messages=turns,
                                      extra_body=GREEDY, metadata={"user_id": "u1"}, service_tier="auto")
-        ref = chat.create(model=NAME, messages=as_openai, max_tokens=max_tokens, temperature=0).choices[0]
+        ref = chat.create(model=NAME, messages=as_openai, max_tokens=max_tokens, temperature=0,
+                          extra_body=THINK_OFF).choices[0]
         assert out.type == "message" and out.role == "assistant" and out.id.startswith("msg_") and out.model == NAME
         assert text(out) == ref.message.content and [b.type for b in out.content] == ["text"] * bool(text(out))
         assert out.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[ref.finish_reason]
         assert out.stop_sequence is None
-    prompt = hf.apply_chat_template(as_openai, add_generation_prompt=True, return_dict=False)
+    prompt = hf.apply_chat_template(as_openai, add_generation_prompt=True, return_dict=False, enable_thinking=False)
     assert out.usage.input_tokens == len(prompt)
-    assert out.usage.output_tokens == chat.create(model=NAME, messages=as_openai, max_tokens=5,
-                                                  temperature=0).usage.completion_tokens
+    assert out.usage.output_tokens == chat.create(model=NAME, messages=as_openai, max_tokens=5, temperature=0,
+                                                  extra_body=THINK_OFF).usage.completion_tokens
     assert client.messages.count_tokens(model=NAME, system=system, messages=turns).input_tokens == len(prompt)
 
 
@@ -131,6 +133,51 @@ def test_stream_accumulates_to_the_message(client, tools):
             assert "".join(stream.text_stream) == text(whole)
 
 
+def test_message_delta_usage_is_cumulative_with_input_tokens(client):
+    """message_delta carries the whole usage, input_tokens and the cache counts included (Anthropic's counts are
+    cumulative: langchain-anthropic reads input_tokens from it), equal to the message's."""
+    kw = {"model": NAME, "messages": ASK, "max_tokens": 6, "extra_body": GREEDY}
+    whole = client.messages.create(**kw)
+    counted = client.messages.count_tokens(model=NAME, messages=ASK).input_tokens
+    with client.messages.stream(**kw) as stream:
+        deltas = [event.usage for event in stream if event.type == "message_delta"]
+    counts = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens", "output_tokens")
+    assert len(deltas) == 1 and [getattr(deltas[0], k) for k in counts] == [getattr(whole.usage, k) for k in counts]
+    assert [getattr(deltas[0], k) for k in counts] == [counted, 0, 0, whole.usage.output_tokens]
+
+
+def test_every_answer_names_itself_in_a_request_id_header(client):
+    """A message, a stream and an error each carry a fresh request-id header (req_...), as Anthropic's answers do."""
+    kw = {"model": NAME, "messages": ASK, "max_tokens": 2, "extra_body": GREEDY}
+    ids = [client.messages.with_raw_response.create(**kw).headers["request-id"]]
+    with client.messages.stream(**kw) as stream:
+        ids.append(stream.response.headers["request-id"])
+    with pytest.raises(anthropic.NotFoundError) as raised:
+        client.messages.create(**kw | {"model": "claude-x"})
+    ids.append(raised.value.request_id)
+    assert all(i.startswith("req_") for i in ids) and len(set(ids)) == 3, ids
+
+
+def test_thinking_is_off_unless_asked(client, hf):
+    """Qwen3's template thinks unless enable_thinking is false; Anthropic's default is no thinking, so the prompt is
+    the one transformers renders with enable_thinking=False (its empty <think> block closed)."""
+    off = hf.apply_chat_template(ASK, add_generation_prompt=True, return_dict=False, enable_thinking=False)
+    assert off != hf.apply_chat_template(ASK, add_generation_prompt=True, return_dict=False)
+    for thinking in ({}, {"thinking": {"type": "disabled"}}):
+        assert client.messages.count_tokens(model=NAME, messages=ASK, **thinking).input_tokens == len(off)
+        assert create(client, messages=ASK, max_tokens=2, **thinking).usage.input_tokens == len(off)
+
+
+def test_stop_sequences_never_cut_a_forced_call(client):
+    """A forced answer is calls only: stop_sequences (the newline after <tool_call>, a brace inside the input) do not
+    cut it into no call or broken JSON; the grammar ends it after its call."""
+    out = create(client, messages=ASK, tools=TOOLS, tool_choice={"type": "tool", "name": "add"},
+                 stop_sequences=["\n", "{", "\""])
+    uses = [b for b in out.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].name == "add" and out.stop_reason == "tool_use", out
+    jsonschema.validate(uses[0].input, ADD)
+
+
 @pytest.mark.parametrize("choice, names", [({"type": "any", "disable_parallel_tool_use": True}, {"add", "get_weather"}),
                                            ({"type": "tool", "name": "get_weather"}, {"get_weather"})])
 def test_forced_tool_use_validates_and_equals_chat(client, chat, choice, names):
@@ -144,7 +191,8 @@ def test_forced_tool_use_validates_and_equals_chat(client, chat, choice, names):
     openai_choice = "required" if choice["type"] == "any" else {"type": "function", "function": {"name": choice[
         "name"]}}
     ref = chat.create(model=NAME, messages=ASK, max_tokens=BUDGET, temperature=0, tools=OPENAI_TOOLS,
-                      tool_choice=openai_choice, parallel_tool_calls=False).choices[0].message.tool_calls
+                      tool_choice=openai_choice, parallel_tool_calls=False,
+                      extra_body=THINK_OFF).choices[0].message.tool_calls
     assert [(c.function.name, json.loads(c.function.arguments)) for c in ref] == [(uses[0].name, uses[0].input)]
 
 
@@ -162,12 +210,14 @@ def test_tool_result_turn_equals_chat_completions(client, chat, hf):
         {"id": use.id, "type": "function", "function": {"name": "add", "arguments": json.dumps(use.input)}}]},
                        {"role": "tool", "tool_call_id": use.id, "content": "5"}, {"role": "user", "content": "Thanks."}]
     out = create(client, messages=turns, tools=TOOLS, max_tokens=12)
-    ref = chat.create(model=NAME, messages=as_openai, tools=OPENAI_TOOLS, max_tokens=12, temperature=0)
+    ref = chat.create(model=NAME, messages=as_openai, tools=OPENAI_TOOLS, max_tokens=12, temperature=0,
+                      extra_body=THINK_OFF)
     assert [b.type for b in out.content] == ["text"] and text(out) == ref.choices[0].message.content
     assert out.usage.input_tokens == ref.usage.prompt_tokens
     as_transformers = ASK + [{"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": "add", "arguments": use.input}}]}] + as_openai[2:]
-    ids = hf.apply_chat_template(as_transformers, tools=OPENAI_TOOLS, add_generation_prompt=True, return_dict=False)
+    ids = hf.apply_chat_template(as_transformers, tools=OPENAI_TOOLS, add_generation_prompt=True, return_dict=False,
+                                 enable_thinking=False)
     assert "<tool_response>\n5\n</tool_response>" in hf.decode(ids)
     assert client.messages.count_tokens(model=NAME, messages=turns, tools=TOOLS).input_tokens == len(ids)
 
@@ -218,6 +268,8 @@ def test_api_key_headers(server):
      "tools[0].input_schema"),
     ({"max_tokens": 100_000}, "max_tokens"),
     ({"extra_body": {"temperature": 1.5}}, "temperature"),
+    ({"messages": ASK + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_none", "content": "5"}]}]}, "toolu_none"),
 ])
 def test_refusals_are_400_naming_the_field(client, kw, named):
     kw = {"model": NAME, "max_tokens": 4, "messages": ASK} | kw
@@ -233,3 +285,42 @@ def test_unknown_model_is_404_in_anthropic_shape(client):
         client.messages.create(model="claude-x", max_tokens=4, messages=ASK)
     assert raised.value.body["error"]["type"] == "not_found_error" and "claude-x" in raised.value.body["error"][
         "message"]
+
+
+@pytest.mark.parametrize("calls", [
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2,, "b"}}\n</tool_call>',  # a call, then one not JSON
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": [}}\n</tool_call>',  # only one not JSON
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "add", "arguments": {"a": 2',  # cut short by max_tokens
+])
+def test_a_malformed_call_under_auto_is_text_in_the_message_and_the_stream(calls):
+    """tool_choice auto leaves the model free: a call whose input is not a JSON object becomes a text block (the call
+    as written), never a 500 nor a delta Anthropic's client cannot parse. The stream, fed in small pieces and
+    accumulated by the official client's own accumulator, gives exactly the non-streamed message's blocks."""
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    from pocketjax.serve.http.anthropic_messages import Blocks, message
+    from pocketjax.serve.http.tool_call_parser import ToolCallParser
+
+    answer = "Sure." + calls
+    whole = Blocks(ToolCallParser())
+    whole.feed(answer)
+    whole.finish()
+    streamed = Blocks(ToolCallParser())
+    events = [event for i in range(0, len(answer), 3) for event in streamed.feed(answer[i:i + 3])]
+    events += streamed.finish()
+    snapshot, bufs = None, {}
+    for event in [{"type": "message_start", "message": message("msg_1", NAME, [], None, None, 1, 0)}, *events]:
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=bufs)
+    strip = [{k: v for k, v in b.items() if k != "id"} for b in whole.content]
+    assert [{k: v for k, v in b.model_dump(exclude_none=True).items() if k != "id"} for b in snapshot.content] == strip
+    uses = [b["input"] for b in strip if b["type"] == "tool_use"]
+    assert whole.calls == len(uses) and uses == [{"a": 2, "b": 3}, {}][:len(uses)]
+    assert strip[0]["type"] == "text" and strip[0]["text"].startswith("Sure.")
+    if calls.endswith("</tool_call>"):  # the last call is not JSON: text, as the model wrote it to its input's end
+        last = calls[calls.rindex("<tool_call>"):]
+        assert strip[-1]["type"] == "text" and last.startswith(strip[-1]["text"].removeprefix("Sure."))
+        assert '"arguments": {' in strip[-1]["text"]
+    else:
+        assert strip[0]["text"] == "Sure."

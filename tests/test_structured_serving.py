@@ -5,6 +5,7 @@ the non-streamed answer for the streamed one, and transformers' apply_chat_templ
 prompt (the same prompt ids must give the same greedy answer through `LLM.generate`)."""
 import json
 import re
+import threading
 
 import jsonschema
 import openai
@@ -216,7 +217,8 @@ def test_completions_take_the_same_constraints(client):
     ({"extra_body": {"guided_json": PERSON}}, "guided_json"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]}, "tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "tool_choice": "required", "extra_body": {"structured_outputs": {"json_object": True}}},
+     "structured_outputs"),  # a forced tool takes response_format (for later turns), not a second constraint
     ({"extra_body": {"tools": "get_weather"}}, "tools"),
 ])
 def test_bad_constraints_and_tools_are_400_naming_the_field(client, kw, param):
@@ -224,3 +226,39 @@ def test_bad_constraints_and_tools_are_400_naming_the_field(client, kw, param):
         client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, **kw)
     assert raised.value.status_code == 400 and raised.value.body["param"] == param
     assert chat(client, max_tokens=2)[2] == "length"  # and the server goes on serving
+
+
+def test_slow_schemas_hold_up_no_other_request(llm, monkeypatch):
+    """Constraints compile on the server's grammar pool, templates and tokens on its host pool: with every grammar
+    thread held by a slow schema, a request without one is still rendered, submitted and answered; the slow ones
+    are answered once their compiles end."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pocketjax.serve.http.context import GRAMMAR_WORKERS
+
+    release, entered = threading.Event(), threading.Semaphore(0)
+    grammar_text = pj.Structured.grammar_text
+
+    def slow(self):
+        if self.json_schema is not None and "slow" in self.json_schema:
+            entered.release()
+            release.wait(120)
+        return grammar_text(self)
+
+    monkeypatch.setattr(pj.Structured, "grammar_text", slow)
+    schemas = [{"type": "object", "additionalProperties": False, "required": [f"slow{i}"],
+                "properties": {f"slow{i}": {"type": "integer", "minimum": 0, "maximum": 9}}}
+               for i in range(GRAMMAR_WORKERS)]
+    with served(llm, model_name=NAME) as (_, client), ThreadPoolExecutor(GRAMMAR_WORKERS) as threads:
+        assert chat(client, max_tokens=2)[2] == "length"  # warm: the check below times a request, not a compile
+        slow_answers = [threads.submit(chat, client, max_tokens=BUDGET, response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}) for schema in schemas]
+        try:
+            assert all(entered.acquire(timeout=120) for _ in schemas)  # every grammar thread is compiling
+            quick = client.with_options(timeout=60)
+            assert chat(quick, max_tokens=2)[2] == "length"
+            assert not any(answer.done() for answer in slow_answers)
+        finally:
+            release.set()
+        for schema, answer in zip(schemas, slow_answers):
+            jsonschema.validate(json.loads(answer.result(timeout=300)[0]), schema)

@@ -39,12 +39,20 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 @dataclass
 class Blocks:
     """An answer's content blocks as its text arrives, and the stream events that build them: text before the first
-    call goes into a text block, each call the parser starts into a tool_use block whose input arrives in pieces
-    (input_json_delta), as the model writes it."""
+    call goes into a text block, each call the parser reads into a tool_use block.
+
+    With tool_choice any / tool (`streamed`), a grammar makes every call's input valid JSON as it is written, so its
+    pieces go out as they arrive (input_json_delta). With auto the model is free and may write a call whose input is
+    not a JSON object; Anthropic's client parses every input_json_delta as it comes and raises on one that is not
+    JSON, so such a call is held until it closes: a JSON object becomes a tool_use block with its input in one delta,
+    anything else a text block holding the call as the model wrote it (`ToolCall.written`, markup included), never a
+    500 or an error event."""
 
     parser: ToolCallParser | None  # None: no tools to parse (tool_choice none or no tools)
+    streamed: bool = False  # the tools are enforced: a call's input is valid JSON at every piece
     content: list[dict[str, Any]] = field(default_factory=list)
     _open: ToolCall | str | None = None  # the block still receiving: a call, "text", or None
+    _held: ToolCall | None = None  # an unenforced call held until its arguments close
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         pieces = [text] if self.parser is None else self.parser.feed(text)
@@ -52,27 +60,47 @@ class Blocks:
 
     def finish(self) -> list[dict[str, Any]]:
         pieces = [] if self.parser is None else self.parser.finish()
-        return [event for piece in pieces for event in self._add(piece)] + self._close()
+        return [event for piece in pieces for event in self._add(piece)] + self._settle() + self._close()
 
     @property
     def calls(self) -> int:
-        return 0 if self.parser is None else len(self.parser.calls)
+        """How many tool_use blocks the answer holds."""
+        return sum(block["type"] == "tool_use" for block in self.content)
 
     def _add(self, piece: Event) -> list[dict[str, Any]]:
-        index = len(self.content) - 1
-        if isinstance(piece, Arguments):
-            return [{"type": "content_block_delta", "index": index,
-                     "delta": {"type": "input_json_delta", "partial_json": piece.text}}]
         if isinstance(piece, ToolCall):
-            block = {"type": "tool_use", "id": "toolu_" + piece.id.removeprefix("call_"), "name": piece.name,
-                     "input": {}}
-            return self._close() + self._start(block, piece)
-        if not piece:
+            if not self.streamed:
+                events, self._held = self._settle(), piece
+                return events
+            return self._close() + self._start(tool_use(piece), piece)
+        if isinstance(piece, Arguments):
+            if not self.streamed:
+                return []  # the held call grows its own arguments
+            return [{"type": "content_block_delta", "index": len(self.content) - 1,
+                     "delta": {"type": "input_json_delta", "partial_json": piece.text}}]
+        return self._settle() + self._text(piece)
+
+    def _text(self, text: str) -> list[dict[str, Any]]:
+        if not text:
             return []
         events = [] if self._open == "text" else self._close() + self._start({"type": "text", "text": ""}, "text")
-        self.content[-1]["text"] += piece
+        self.content[-1]["text"] += text
         return events + [{"type": "content_block_delta", "index": len(self.content) - 1,
-                          "delta": {"type": "text_delta", "text": piece}}]
+                          "delta": {"type": "text_delta", "text": text}}]
+
+    def _settle(self) -> list[dict[str, Any]]:
+        """The held call as blocks: a tool_use block with its whole input, the start of one cut short by max_tokens
+        (input {}, as a message gives it), or text when its closed arguments are not a JSON object."""
+        call, self._held = self._held, None
+        if call is None:
+            return []
+        if call.complete and call_input(call) is None:
+            return self._text(call.written)
+        events = self._close() + self._start(tool_use(call), call)
+        if call.complete:
+            events.append({"type": "content_block_delta", "index": len(self.content) - 1,
+                           "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
+        return events
 
     def _start(self, block: dict[str, Any], opened: ToolCall | str) -> list[dict[str, Any]]:
         self.content.append(dict(block))
@@ -85,9 +113,23 @@ class Blocks:
         if self._open is None:
             return []
         if isinstance(self._open, ToolCall):
-            self.content[-1]["input"] = json.loads(self._open.arguments) if self._open.complete else {}
+            self.content[-1]["input"] = (call_input(self._open) if self._open.complete else None) or {}
         self._open = None
         return [{"type": "content_block_stop", "index": len(self.content) - 1}]
+
+
+def tool_use(call: ToolCall) -> dict[str, Any]:
+    """A call's tool_use block as it starts (its input arrives by input_json_delta)."""
+    return {"type": "tool_use", "id": "toolu_" + call.id.removeprefix("call_"), "name": call.name, "input": {}}
+
+
+def call_input(call: ToolCall) -> dict[str, Any] | None:
+    """A closed call's arguments as its input object; None when the model wrote something else."""
+    try:
+        value = json.loads(call.arguments)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def stop_reason(completion: Completion, stop_string: str | None, calls: int) -> str:
@@ -103,8 +145,15 @@ def message(message_id: str, model: str, content: list[dict[str, Any]], reason: 
             stop_sequence: str | None, input_tokens: int, output_tokens: int) -> dict[str, Any]:
     """Anthropic's Message object (reason None: the stream's first snapshot)."""
     return {"id": message_id, "type": "message", "role": "assistant", "content": content, "model": model,
-            "stop_reason": reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": input_tokens, "output_tokens": output_tokens}}
+            "stop_reason": reason, "stop_sequence": stop_sequence, "usage": usage(input_tokens, output_tokens)}
+
+
+def usage(input_tokens: int, output_tokens: int) -> dict[str, int]:
+    """Anthropic's usage, whole in every message_delta too (its counts are cumulative: a client such as
+    langchain-anthropic takes input_tokens from the last one). Prefix reuse here is automatic and costs nothing
+    extra, so every prompt token counts as input and the prompt-cache counts are 0."""
+    return {"input_tokens": input_tokens, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0,
+            "output_tokens": output_tokens}
 
 
 async def stream(request: Request, handle: RequestHandle, blocks: Blocks, message_id: str, model: str,
@@ -123,7 +172,7 @@ async def stream(request: Request, handle: RequestHandle, blocks: Blocks, messag
                 stop = handle.stop_string
                 yield sse({"type": "message_delta", "delta": {"stop_reason": stop_reason(done, stop, blocks.calls),
                                                               "stop_sequence": stop},
-                           "usage": {"output_tokens": len(done.token_ids)}})
+                           "usage": usage(input_tokens, len(done.token_ids))})
         yield sse({"type": "message_stop"})
     except Exception as error:  # noqa: BLE001 - a failure after the headers still ends the stream in Anthropic's shape
         status, body = await app_error(request, error)
@@ -164,12 +213,16 @@ class AnthropicRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def route(request: Request) -> Response:
+            request_id = {"request-id": f"req_{uuid.uuid4().hex}"}  # as Anthropic names each answer, errors too
             try:
-                return await handler(request)
+                response = await handler(request)
             except Exception as error:  # noqa: BLE001 - every error gets an answer in this API's shape
                 status, body = await app_error(request, error)
                 return Response(json.dumps(anthropic_error(status, body), ensure_ascii=True),
-                                status_code=status, media_type="application/json", headers=retry_after(status))
+                                status_code=status, media_type="application/json",
+                                headers={**(retry_after(status) or {}), **request_id})
+            response.headers.update(request_id)
+            return response
 
         return route
 
@@ -184,13 +237,15 @@ def messages_router(ctx: ServeContext) -> APIRouter:
         ctx.check_model(body.model)
         body.check_supported()
         ctx.check_size("messages", messages=body.messages, system=body.system, tools=body.tools)
-        tools = await ctx.off_loop(tools_of, body)  # compiles each tool's input_schema
+        tools = await ctx.checked_tools(body.tools, tools_of, body)  # compiles each tool's input_schema
         chat = conversation(body.system, body.messages)
 
         def render() -> list[int]:
+            # thinking is off unless asked for (Anthropic's default; this server produces no thinking blocks): Qwen3's
+            # templates think unless enable_thinking is false, and their <think> text would land in text blocks
             text = llm.tokenizer.apply_chat_template(chat.messages, tools=tools.tools if tools else None,
                                                      add_generation_prompt=not chat.prefill,
-                                                     continue_final_message=chat.prefill)
+                                                     continue_final_message=chat.prefill, enable_thinking=False)
             return ctx.encode(text, param="messages")
 
         return await ctx.off_loop(render), tools
@@ -199,10 +254,11 @@ def messages_router(ctx: ServeContext) -> APIRouter:
     async def create(body: MessagesRequest, request: Request):
         prompt, tools = await prepare(body)
         structured, _ = ctx.answer_constraint(tools, body.constraint(), "output_config")
-        sampling = body.sampling(ctx.budget(prompt, body.max_tokens, None), structured)
-        constrained_by = "tools" if tools is not None and tools.enforced else "output_config"
+        enforced = tools is not None and tools.enforced
+        sampling = body.sampling(ctx.budget(prompt, body.max_tokens, None), structured, tools)
+        constrained_by = "tools" if enforced else "output_config"
         handle = (await ctx.submit([(prompt, sampling)], "messages", constrained_by))[0]
-        blocks = Blocks(tools.parser() if tools is not None and tools.parsed else None)
+        blocks = Blocks(tools.parser() if tools is not None and tools.parsed else None, streamed=enforced)
         message_id = f"msg_{uuid.uuid4().hex}"
         if body.stream:
             return event_stream(stream(request, handle, blocks, message_id, ctx.name, len(prompt)))

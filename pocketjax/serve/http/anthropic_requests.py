@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...engine.sampling_params import SamplingParams
 from ...engine.structured import Structured
 from .api_error import APIError
-from .tool_calls import ToolRequest, tool_request
+from .tool_calls import ToolRequest, answer_stops, tool_request
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice type -> OpenAI's
 HARMLESS_TOOL_KEYS = {"type", "cache_control", "eager_input_streaming", "strict"}  # strict: the grammar always is
@@ -87,10 +87,12 @@ class MessagesRequest(CountTokensRequest):
     container: Any = None  # refused: no code-execution containers
     diagnostics: Any = None  # refused: no prompt-cache diagnostics
 
-    def sampling(self, max_tokens: int, structured: Structured | None) -> SamplingParams:
+    def sampling(self, max_tokens: int, structured: Structured | None, tools: ToolRequest | None) -> SamplingParams:
+        """How to sample the answer; stop_sequences end text, never a call that tool_choice forces (`answer_stops`)."""
         given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
-        return SamplingParams(max_tokens=max_tokens, stop=tuple(self.stop_sequences or ()), structured=structured,
-                              **{name: value for name, value in given.items() if value is not None})
+        return SamplingParams(max_tokens=max_tokens, stop=answer_stops(tools, self.stop_sequences),
+                              structured=structured, **{name: value for name, value in given.items()
+                                                        if value is not None})
 
 
 @dataclass
@@ -109,8 +111,9 @@ def conversation(system: str | list[dict[str, Any]] | None, messages: Sequence[d
         text = system if isinstance(system, str) else "\n".join(text_of(b, f"system[{j}]", "system")
                                                                 for j, b in enumerate(system))
         out.append({"role": "system", "content": text})
+    uses: set[str] = set()  # the ids of the tool_use blocks so far
     for i, message in enumerate(messages):
-        out += turn(message, i)
+        out += turn(message, i, uses)
     prefill = messages[-1].get("role") == "assistant"
     if prefill and out[-1].get("tool_calls"):
         raise APIError(400, "the last message is an assistant turn with tool_use blocks: send their tool_result "
@@ -133,9 +136,10 @@ def merged_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def turn(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
+def turn(message: dict[str, Any], i: int, uses: set[str]) -> list[dict[str, Any]]:
     """One Anthropic turn as chat messages: a user turn's tool results (tool messages) then its text; an assistant
-    turn's text and tool calls in one message."""
+    turn's text and tool calls in one message. `uses`: the ids of the earlier turns' tool_use blocks, which a
+    tool_result must name (as Anthropic checks: a result of no call is a 400); this turn's calls join them."""
     where, role, content = f"messages[{i}]", message.get("role"), message.get("content")
     if role not in ("user", "assistant") or set(message) - {"role", "content"}:
         raise APIError(400, f"{where} must be {{\"role\": \"user\" | \"assistant\", \"content\": ...}}",
@@ -154,11 +158,16 @@ def turn(message: dict[str, Any], i: int) -> list[dict[str, Any]]:
             calls.append(tool_call(block, at))
         elif kind == "tool_result" and role == "user":
             results.append(tool_result(block, at))
+            if results[-1]["tool_call_id"] not in uses:
+                raise APIError(400, f"{at}: tool_result names tool_use_id {block['tool_use_id']!r:.80}, which no "
+                                    f"earlier tool_use block has: each tool_result answers a tool_use of an "
+                                    f"assistant turn before it", param="messages")
         elif kind in DROPPED_BLOCKS and role == "assistant":
             continue
         else:
             raise APIError(400, f"{at}: blocks of type {kind!r:.40} are not supported in a {role} turn (text, "
                                 f"tool_use in assistant turns, tool_result in user turns)", param="messages")
+    uses.update(call["id"] for call in calls)
     if role == "assistant":
         message = {"role": "assistant", "content": "\n".join(texts)}
         return [{**message, "tool_calls": calls} if calls else message]

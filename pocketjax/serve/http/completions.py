@@ -112,7 +112,7 @@ def completions_router(ctx: ServeContext) -> APIRouter:
         messages = body.chat_messages()
         ctx.check_size("messages", messages=messages, chat_template_kwargs=options, tools=body.tools,
                        functions=body.functions)
-        tools = await ctx.off_loop(body.tool_request)  # compiles each tool's parameters schema
+        tools = await ctx.checked_tools(body.tools or body.functions, body.tool_request)  # compiles their schemas
         own, field = body.constraint()
         structured, constrained_by = ctx.answer_constraint(tools, answer_format(tools, own, field), field)
         prompt = await ctx.off_loop(render_prompt, llm, messages, options, ctx.encode, tools)

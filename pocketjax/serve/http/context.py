@@ -3,8 +3,10 @@ the event loop (a bounded pool of host threads).
 
 Routers (chat and completions, Responses, Anthropic Messages, tokenization) take a `ServeContext` rather than
 callbacks, so there is one model check, one context budget, one submit path and one off-loop helper. Preparing a
-request (rendering a template, tokenizing, compiling a constraint at submit) runs on the pool, never on the loop:
-a 2 s constraint compile must not stall the other clients' streams (docs/security.md).
+request (rendering a template, tokenizing, compiling a constraint at submit) runs on a pool, never on the loop:
+a 2 s constraint compile must not stall the other clients' streams (docs/security.md). Compiling has a pool of its
+own (`grammar_pool`): four slow schemas then wait for each other, while every other request's template, tokens and
+submit go on through `pool`.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from ..llm import LLM
 
 HOST_WORKERS = 4  # threads that render templates, tokenize and submit, off the event loop
+GRAMMAR_WORKERS = 4  # threads that compile constraints (a tool's schema, a response format) and submit their requests
 MAX_JSON_DEPTH = 32  # nesting of messages and chat_template_kwargs (templates read a few levels)
 T = TypeVar("T")
 
@@ -47,6 +50,8 @@ class ServeContext:
     trust_request_chat_template: bool = False  # a request may bring its own chat template (code: off by default)
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(HOST_WORKERS, thread_name_prefix="pocketjax-host"))
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="pocketjax-grammar"))
 
     @property
     def max_chars(self) -> int:
@@ -56,6 +61,17 @@ class ServeContext:
     async def off_loop(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """fn(*args, **kwargs) on a host thread of the bounded pool: the event loop keeps serving other clients."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(fn, *args, **kwargs))
+
+    async def compiling(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """fn(*args, **kwargs) on the grammar pool: work that compiles a schema or grammar (seconds for a hostile
+        one) queues behind other compiles only, never ahead of another request's template or tokens."""
+        return await asyncio.get_running_loop().run_in_executor(self.grammar_pool,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    async def checked_tools(self, given: Any, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args): a request's tools checked (each schema compiled), on the grammar pool when it `given` any;
+        without tools nothing compiles and it runs here, so such a request never queues behind slow schemas."""
+        return await self.compiling(fn, *args) if given else fn(*args)
 
     def encode(self, prompt: str | list, param: str = "prompt") -> list[int]:
         """A prompt's ids (text is tokenized, ids are checked by the engine later); 400 past the prompt-size limit
@@ -108,8 +124,12 @@ class ServeContext:
 
     async def submit(self, jobs: Sequence[tuple[list[int], Any]], param: str | None = None,
                      constrained_by: str | None = None) -> list[RequestHandle]:
-        """`submit_all` on the pool: submitting compiles a request's constraint, which must not stall the loop."""
-        return await self.off_loop(submit_all, self.llm, jobs, param, self.metrics, constrained_by)
+        """`submit_all` off the loop: submitting validates a request, compiling its constraint (the matcher then
+        stays on the request: the scheduler never compiles), so a constrained request goes through the grammar pool
+        and an unconstrained one never waits behind it."""
+        constrained = any(getattr(sampling, "structured", None) is not None for _, sampling in jobs)
+        run = self.compiling if constrained else self.off_loop
+        return await run(submit_all, self.llm, jobs, param, self.metrics, constrained_by)
 
 
 def json_size(value: Any, param: str, depth: int = 0) -> int:

@@ -199,7 +199,7 @@ def responses_router(ctx: ServeContext) -> APIRouter:
         body.check_supported()
         ctx.check_size("input", input=body.input, instructions=body.instructions, tools=body.tools)
         structured, text_format = TextFormat.of(body.text)
-        tools = await ctx.off_loop(body.tool_request)  # compiles each tool's parameters schema
+        tools = await ctx.checked_tools(body.tools, body.tool_request)  # compiles each tool's parameters schema
         structured, constrained_by = ctx.answer_constraint(tools, answer_format(tools, structured, "text"), "text")
         llm = ctx.llm
 
