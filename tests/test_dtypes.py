@@ -88,3 +88,17 @@ def test_bfloat16_checkpoint_dtype_is_a_rule_not_a_timing(hf_checkpoint, monkeyp
     assert pj.load_model(folder).dtype == (jnp.bfloat16 if built else jnp.float32)
     assert pj.load_model(folder, dtype="bfloat16").dtype == jnp.bfloat16
     assert not hasattr(layers, "bfloat16_probe")
+
+
+@pytest.mark.parametrize("quantize", [None, "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_every_dtype_and_weight_form_serves_a_greedy_request(hf_checkpoint, dtype, quantize):
+    """Each documented load_model dtype x weight form answers a request through the engine's default attention
+    path: float16 failed every request with the native kernels ("q and out must both be float32 or bfloat16",
+    issue 67); its queries are now widened to float32 for the kernel, its products are XLA's."""
+    model = pj.load_model(hf_checkpoint("qwen3_gqa4_headdim"), dtype=dtype, quantize=quantize)
+    assert model.dtype == jnp.dtype(dtype)
+    params = pj.SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=1)
+    (req,) = run(pj.Engine(model, max_batch_size=1, max_seq_len=32, prefill_chunk=16), [[5, 17, 3, 9]], params)
+    assert len(req.generated_tokens) == 3 and req.finish_reason == "length"
+    assert all(np.isfinite(lp) and lp <= 0 for lp, _ in req.logprobs)

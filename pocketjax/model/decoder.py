@@ -125,7 +125,7 @@ def layer_stack(params: Params, config: ModelConfig, tokens: jax.Array, position
     def layer(i, p, x, state, add=None):
         q, k, v = layers.qkv_projection(p, config, layers.rms_norm(x, p["input_norm"], eps), cos, sin)
         out, state = attend(i, q, k, v, state)
-        x = x + layers.linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"))
+        x = x + layers.linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"), name="o")
         x = x + layers.swiglu(p, layers.rms_norm(x, p["post_norm"], eps))
         x = x if hook is None else hook(i, x)
         return x if add is None else x + add[:, None, :].astype(x.dtype), state
@@ -160,7 +160,7 @@ def run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions
 
 def lm_head(params: Params, hidden: jax.Array) -> jax.Array:
     """Float32 logits; a tied model reuses the embedding table [vocab, hidden] as its output projection."""
-    return layers.linear(hidden, params.get("lm_head", params["embed"])).astype(jnp.float32)
+    return layers.linear(hidden, params.get("lm_head", params["embed"]), name="lm_head").astype(jnp.float32)
 
 
 @partial(jax.jit, static_argnames=("config", "kv_dtype", "hook", "keep_hidden", "impl"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import math
 from collections.abc import Iterator
@@ -20,7 +21,7 @@ from .numerics import fixed_sum, opaque
 from .config import ModelConfig, rope_frequencies
 from .lora import LoraWeight
 from .quant import QuantizedWeight
-from .sharding import attention_over_heads
+from .sharding import attention_over_heads, kernel_mesh, mesh_tp, over_weight, weight_spec
 
 log = logging.getLogger("pocketjax")
 ATTENTION_IMPLS = ("auto", "cpu", "xla", "pallas", "pallas_interpret", "triton")
@@ -75,35 +76,58 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 SKINNY_ROWS = quant.SKINNY_ROWS  # up to this many rows (decode batches), XLA:CPU runs the transposed product faster
 
 
-def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Array | None = None) -> jax.Array:
+def linear(x: jax.Array, w: jax.Array | QuantizedWeight | LoraWeight, b: jax.Array | None = None,
+           name: str | None = None) -> jax.Array:
     """x @ w.T (+ b) for a weight stored [out, in] (HF's layout), or a QuantizedWeight in the same layout (an integer
     product where native: the native kernel dequantizing int8 / int4 in registers; elsewhere XLA's integer product where
     `quant.has_integer_product`, else dequantized inside the step and multiplied as a float weight).
 
     Where `native(x, w)` (CPU, one device, the kernels built): every float product, of any row count, is pocketjax's
     kernel (`cpu_kernels.skinny_matmul`), whose per-row result does not depend on the row count: decode, verify and
-    prefill compute a position alike, alone or in a batch. XLA's forms otherwise (`xla_product`).
+    prefill compute a position alike, alone or in a batch. On a "tp" mesh a float weight named by `name` (its
+    params key: "q", "o", "lm_head", ...) runs the kernel per device on its shard (`sharding.over_weight`); XLA's
+    forms otherwise (`xla_product`).
     """
     if isinstance(w, LoraWeight):  # an unmerged LoRA adapter (model/lora.py): base product + its rank-r path
-        return linear(x, w.base, b) + opaque(w.lora.apply(x))
+        return linear(x, w.base, b) + opaque(w.lora.apply(x, product))
     if isinstance(w, QuantizedWeight):
         fast = native(x, w.scale)
         kernel = fast and x.dtype in (jnp.float32, jnp.bfloat16) and cpu_kernels.quantized_applies(w)
         y = quant.matmul(x, w, product if fast else None, cpu_kernels.quantized_matmul if kernel else None)
     else:
-        y = product(x, w)
+        y = product(x, w, name)
     return y if b is None else y + b
 
 
-def product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x @ w.T for a float weight [out, in]: the native kernel where `native(x, w)`, else XLA's forms."""
-    if w.dtype in (jnp.float32, jnp.bfloat16) and native(x, w):
-        flat = x.reshape(-1, x.shape[-1])
-        if w.dtype == jnp.bfloat16:
-            flat = flat.astype(jnp.bfloat16)  # as XLA's bf16 product: x rounded to bfloat16, f32 sums
-        y = cpu_kernels.skinny_matmul(flat, w)
-        return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+def product(x: jax.Array, w: jax.Array, name: str | None = None) -> jax.Array:
+    """x @ w.T for a float weight [out, in]: the native kernel where `native(x, w)`, per device on a "tp" mesh for a
+    named weight (XLA cannot partition the kernel's call; the name says how the weight is split), else XLA's forms."""
+    kernel = w.dtype in (jnp.float32, jnp.bfloat16)
+    mesh = kernel_mesh(w) if kernel and name is not None else None
+    if mesh is not None and _NATIVE.get() and jax.default_backend() == "cpu" and cpu_kernels.available():
+        return over_weight(native_product, x, w, weight_spec(name, w.shape, mesh_tp(mesh)), mesh)
+    if kernel and native(x, w):
+        return native_product(x, w)
+    if w.dtype == jnp.float16 and native(x, w):
+        float16_products_logged()
     return xla_product(x, w)
+
+
+@functools.cache
+def float16_products_logged() -> None:
+    """Say once that float16 weights multiply in XLA's forms: the native kernel takes float32 and bfloat16 weights,
+    and upcasting a float16 weight at every step would copy it (on CPU, load_model computes a float16 checkpoint in
+    float32 unless dtype="float16" is forced)."""
+    log.info("pocketjax: float16 weights multiply in XLA's forms (the native product takes float32 / bfloat16): "
+             "served, but not bitwise batch-invariant (README \"Guarantees\")")
+
+
+def native_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x @ w.T in pocketjax's kernel (`cpu_kernels.skinny_matmul`): a row's bits never depend on the rows beside it."""
+    flat = x.reshape(-1, x.shape[-1])
+    if w.dtype == jnp.bfloat16:
+        flat = flat.astype(jnp.bfloat16)  # as XLA's bf16 product: x rounded to bfloat16, f32 sums
+    return cpu_kernels.skinny_matmul(flat, w).astype(x.dtype).reshape(*x.shape[:-1], w.shape[0])
 
 
 def xla_product(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -161,16 +185,15 @@ def on_one_device(*arrays: jax.Array) -> bool:
 
 def swiglu(p: dict, x: jax.Array) -> jax.Array:
     """Qwen's MLP: down(silu(gate(x)) * up(x))."""
-    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+    return linear(jax.nn.silu(linear(x, p["gate"], name="gate")) * linear(x, p["up"], name="up"), p["down"],
+                  name="down")
 
 
 def qkv_projection(p: dict, config: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """q [B,T,Hq,D], k and v [B,T,Hkv,D] with bias, QK-norm (Qwen3) and RoPE applied."""
     b, t, _ = x.shape
     d = config.head_dim
-    q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, -1, d)
-    k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, -1, d)
-    v = linear(x, p["v"], p.get("v_bias")).reshape(b, t, -1, d)
+    q, k, v = (linear(x, p[n], p.get(f"{n}_bias"), name=n).reshape(b, t, -1, d) for n in "qkv")
     if config.qk_norm:
         q = rms_norm(q, p["q_norm"], config.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], config.rms_norm_eps)
@@ -255,9 +278,13 @@ def native_attention(q, kv: tuple[jax.Array, ...], starts, q_lengths, slots) -> 
     local heads when the cache is sharded: each query row's bits depend on its position, query and keys only."""
     def kernel(q, kv, starts, q_lengths, slots):
         k, v, scales = split_kv(kv)
+        k, v = (a.astype(jnp.float32) if a.dtype == jnp.float16 else a for a in (k, v))  # a forced float16 cache
         rows = jnp.arange(q.shape[0], dtype=jnp.int32) if slots is None else slots
         return cpu_kernels.attention(q, k, v, rows, starts, q_lengths, 1.0 / math.sqrt(q.shape[-1]), **scales)
-    return attention_over_heads(kernel, q, kv, starts, q_lengths, slots)
+    # the kernel computes in float32 or bfloat16: float16 queries are widened (exactly) to float32, which a float16
+    # model's default float32 cache computes in anyway, so float16 keeps the invariant attention (issue 67)
+    wide = q.astype(jnp.float32) if q.dtype == jnp.float16 else q
+    return attention_over_heads(kernel, wide, kv, starts, q_lengths, slots).astype(q.dtype)
 
 
 def decode_attention(impl: str, q, kv: tuple[jax.Array, ...], lengths, slots=None, kv_len: int | None = None):

@@ -76,10 +76,14 @@ class Lora:
         """scaling * b @ a in float32, [out, in] (batched over a leading layer axis)."""
         return self.scaling * (jnp.asarray(self.b, jnp.float32) @ jnp.asarray(self.a, jnp.float32))
 
-    def apply(self, x: jax.Array) -> jax.Array:
-        """scaling * x @ a.T @ b.T in the adapter's dtype, cast to x's: the rank-r path, never forming [out, in]."""
-        low = jnp.einsum("...k,rk->...r", x.astype(self.a.dtype), self.a)
-        return (self.scaling * jnp.einsum("...r,nr->...n", low, self.b)).astype(x.dtype)
+    def apply(self, x: jax.Array, product: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array:
+        """scaling * x @ a.T @ b.T in the adapter's dtype, cast to x's: the rank-r path, never forming [out, in].
+
+        `product(x, w)` is x @ w.T for a weight [out, in]: `layers.product`, the base weights' form, so the adapter
+        keeps their batch invariance (XLA's einsums chose their algorithm by the row count: a request's logprobs
+        changed with its batch, issue 67)."""
+        low = product(x.astype(self.a.dtype), self.a)
+        return (self.scaling * product(low, self.b)).astype(x.dtype)
 
 
 @jax.tree_util.register_dataclass

@@ -207,6 +207,38 @@ def kernel_mesh(cache: jax.Array):
     return None if mesh.empty or mesh_tp(mesh) == 1 else mesh
 
 
+def weight_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
+    """How a product runs a float weight [out, in] named `name` per device: `param_spec`'s layout read from the name
+    and the shape (a product has no config): column-parallel names split `out`, row-parallel ones `in`, where tp
+    divides it, else replicated. A k / v weight whose kv heads are replicated (tp does not divide them) but whose
+    `out` divides is run split: XLA slices the replicated weight, the same values."""
+    out, inp = shape[-2:]
+    if name in COLUMN_HEADS + COLUMN_KV + COLUMN_MLP + ("embed", "lm_head"):
+        return P(TP, None) if out % tp == 0 else P()
+    if name in ROW:
+        return P(None, TP) if inp % tp == 0 else P()
+    return P()
+
+
+def over_weight(product: Callable, x: jax.Array, w: jax.Array, spec: P, mesh) -> jax.Array:
+    """product(x, w) for w [out, in] placed with `spec` (`weight_spec`), run per device under shard_map on "tp".
+
+    Why: XLA cannot partition pocketjax's product kernel (a custom call), and its own partitioned dots choose their
+    summation order by shape, so TP2 was not batch-invariant. Column-parallel (out split): each device computes
+    whole rows of sums, one device's bits. Row-parallel (in split): each device sums its half of `in`, then one psum
+    adds the devices' partials, the same additions at every row count. Replicated: every device computes it all.
+    """
+    column, row = (len(spec) > axis and spec[axis] == TP for axis in (0, 1))
+    lead = [None] * (x.ndim - 1)
+
+    def local(x, w):
+        y = product(x, w)
+        return jax.lax.psum(y, TP) if row else y
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, TP if row else None), spec),
+                         out_specs=P(*lead, TP if column else None), axis_names={TP}, check_vma=False)(x, w)
+
+
 def attention_over_heads(kernel: Callable, q: jax.Array, kv: tuple[jax.Array, ...], *rows) -> jax.Array:
     """kernel(q, kv, *rows) run per device on its own query heads, under shard_map when sharded.
 
