@@ -74,3 +74,57 @@ def test_a_decode_token_costs_one_dispatch_and_one_host_read(engine, monkeypatch
     assert len(req.generated_tokens) == 6
     ran = [name for name in runs]
     assert set(ran) == {"decode_sample"} and len(ran) == len(reads) == 5  # the last dispatch finds the row done
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    from pocketjax.serve.llm import DEFAULT_MODEL
+    from pocketjax.serve.tokenizer import Tokenizer
+
+    return pj.load_model(DEFAULT_MODEL), Tokenizer.from_folder(DEFAULT_MODEL)
+
+
+def served(model, tokenizer, decode_steps: int) -> tuple[list, int]:
+    """A mixed workload through the scheduler, driven step by step: greedy, seeded top-p with top logprobs,
+    penalties, a stop string, stop ids, a request cancelled mid-way and three joining while others decode. Returns
+    every completion (token ids, logprobs, finish reason; the cancelled one's reason only) and the largest number of
+    tokens one dispatch delivered to a request."""
+    engine = pj.Engine(model, max_batch_size=3, max_seq_len=96, prefill_chunk=32, decode_steps=decode_steps,
+                       compile_cache_dir="off")
+    sched = pj.Scheduler(engine, tokenizer=tokenizer)
+    prompts = [tokenizer.encode(text) for text in ("def fib(n):\n", "class A:\n", "import os\n", "x = [",
+                                                   "for i in", "return ")]
+    params = [pj.SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+              pj.SamplingParams(max_tokens=20, temperature=0.9, top_p=0.9, seed=5, logprobs=3),
+              pj.SamplingParams(max_tokens=30, temperature=0.7, seed=6, repetition_penalty=1.2, presence_penalty=0.3,
+                                stop=["\n"]),
+              pj.SamplingParams(max_tokens=40, temperature=1.0, seed=7, stop_token_ids=tokenizer.encode(" ")),
+              pj.SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True),
+              pj.SamplingParams(max_tokens=12, temperature=0.8, top_k=5, seed=8)]
+    handles = [sched.submit(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+    most, seen = 0, {}
+    for i in range(400):
+        if i == 3:
+            handles += [sched.submit(p, sp) for p, sp in zip(prompts[3:], params[3:])]  # join the running ones
+        if i == 6:
+            handles[4].cancel()
+        if not sched.step():
+            break
+        for h in handles:
+            n = len(h.request.generated_tokens)
+            most, seen[id(h)] = max(most, n - seen.get(id(h), 0)), n
+    out = [h.result() for h in handles]
+    return [(c.token_ids, c.logprobs, c.finish_reason) if c.finish_reason != "cancelled" else c.finish_reason
+            for c in out], most
+
+
+def test_decode_steps_give_the_tokens_of_single_steps(embedded):
+    """decode_steps = 4 and 8: the same tokens, logprobs and finish reasons as one step per dispatch, bit for bit,
+    with requests joining, one cancelled, a stop string, stop ids and lengths ending rows on the device."""
+    single, most = served(*embedded, 1)
+    assert most == 1 and single[4] == "cancelled"
+    assert {c[2] for c in single if c != "cancelled"} >= {"length", "stop"}
+    for steps in (4, 8):
+        multi, most = served(*embedded, steps)
+        assert most > 1  # several tokens arrived from one dispatch
+        assert multi == single

@@ -30,6 +30,7 @@ ENVIRONMENT = {  # field -> variable
     "compile_cache_dir": "POCKETJAX_COMPILE_CACHE_DIR",
     "batch_invariant": "POCKETJAX_BATCH_INVARIANT",
     "logprobs_mode": "POCKETJAX_LOGPROBS_MODE",
+    "decode_steps": "POCKETJAX_DECODE_STEPS",
 }
 OFF = "off"  # compile_cache_dir (or POCKETJAX_COMPILE_CACHE_DIR) that keeps compiled programs in this process only
 log = logging.getLogger("pocketjax")
@@ -113,6 +114,10 @@ class EngineConfig:
     # and filtering), "processed_logprobs" (of the distribution the token was drawn from), "raw_logits",
     # "processed_logits" (the logit values instead). Per engine: the mode is compiled into the sampler.
     logprobs_mode: str = DEFAULT_LOGPROBS_MODE
+    # Decode steps per dispatch: N > 1 runs up to N decode + sample steps in one program (a loop of static length),
+    # rows stopping on the device at their stop ids and max_tokens, when no row needs the host between steps
+    # (`DecodePolicy.steps`); the tokens are those of N single steps, bit for bit. 1: one step per dispatch.
+    decode_steps: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.of(self.speculative))
@@ -159,7 +164,8 @@ class EngineConfig:
         return cls(**values)
 
     def validate(self) -> None:
-        for name in ("max_batch_size", "max_seq_len", "prefill_chunk", "min_kv_bucket", "min_prefill_bucket"):
+        for name in ("max_batch_size", "max_seq_len", "prefill_chunk", "min_kv_bucket", "min_prefill_bucket",
+                     "decode_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

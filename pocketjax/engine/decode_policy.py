@@ -53,15 +53,20 @@ class DecodePolicy:
         self._timed: Timed | None = None
 
     def advance(self, requests: Requests, guard: Callable = unguarded, deliver: Callable[[], None] = lambda: None,
-                timed: bool = True) -> None:
+                timed: bool = True, waiting: bool = False) -> None:
         """One decode step for every unfinished request (a request that just joined rides in it: nothing drains);
         afterwards the tokens read are in the requests. `deliver()` hands them out early, while the device runs the
         step just queued (speculative steps); `timed`: no prefill ran since the last advance, so the interval since
-        then measures the decode step before it."""
+        then measures the decode step before it; `waiting`: requests wait for admission or are being prefilled.
+
+        How many steps one dispatch runs (`EngineConfig.decode_steps`, N): 1 while `waiting` (a new request joins
+        the next step, and prefill chunks alternate with single steps, so time to first token does not grow), with
+        speculation, or when a row needs the host between steps (`Engine.multi_step`: token masks, hidden states);
+        N otherwise. Which it is never changes a token, only how many come per dispatch."""
         if self.engine.speculator is not None:
             self._speculative(requests, guard, deliver, timed)
         elif self.pipeline:
-            self._pipelined(requests, guard)
+            self._pipelined(requests, guard, 1 if waiting else self.engine.config.decode_steps)
         else:
             guard(self.engine.batch_decode_step, requests, alone=self._decode_alone)
 
@@ -71,16 +76,16 @@ class DecodePolicy:
     def _speculate_alone(self, request: BatchedRequest) -> None:
         self.engine.batch_speculative_step([request])
 
-    def _pipelined(self, requests: Requests, guard: Callable) -> None:
+    def _pipelined(self, requests: Requests, guard: Callable, steps: int = 1) -> None:
         """Queue the next decode step behind the one in flight, then read that one (with nothing in flight: queue
-        two, read the first). Tokens read may end a request (a stop token or string); its row in the step queued
-        after them is discarded by the engine."""
+        two, read the first); each runs up to `steps` steps. Tokens read may end a request (a stop token or string);
+        its row in the step queued after them is discarded by the engine."""
         pending, self.pending = self.pending, None
         if pending is None and any(not r.finished for r in requests):
-            pending = guard(self.engine.decode_dispatch, requests, alone=self._decode_alone)
+            pending = guard(self.engine.decode_dispatch, requests, steps=steps, alone=self._decode_alone)
         if pending is None:
             return
-        following = (guard(self.engine.decode_dispatch, requests, after=pending)
+        following = (guard(self.engine.decode_dispatch, requests, after=pending, steps=steps)
                      if any(not r.finished for r in requests) else None)
         if guard(self.engine.collect, pending) is not None:
             self.pending = following

@@ -28,7 +28,7 @@ from ..model.quant import untiled_params
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
 from .pending import PendingDecode, PendingVerify
-from .plan import SamplePlan, Signature, StepRules, decode_plans, prefill_plans, scored_positions
+from .plan import STOP_WIDTH, SamplePlan, Signature, StepRules, decode_plans, prefill_plans, scored_positions
 from .request import BatchedRequest, RequestStatus, batch
 from .sampling import SampleOutput, logprob_entry
 from .slots import SlotTable
@@ -119,7 +119,7 @@ class Engine(SpeculativeSteps):
         c = self.model.config
         return StepRules(self.num_slots, cfg.max_seq_len, cfg.prefill_chunk, cfg.min_prefill_bucket,
                          cfg.min_kv_bucket, self.impl, c.vocab_size, width, cfg.logprobs_mode, c.num_layers,
-                         c.hidden_size, structured=self.constrainer is not None)
+                         c.hidden_size, structured=self.constrainer is not None, decode_steps=cfg.decode_steps)
 
     def allocate_batch_slots(self, n: int) -> None:
         """(Re)allocate the KV cache with n slots; refused while any slot is held."""
@@ -283,9 +283,13 @@ class Engine(SpeculativeSteps):
         """One device call that generates the next token of every unfinished request; None for the others."""
         return self.decode_collect(self.decode_dispatch(requests))
 
-    def decode_dispatch(self, requests: Sequence[BatchedRequest], after: PendingDecode | PendingVerify | None = None
-                        ) -> PendingDecode:
+    def decode_dispatch(self, requests: Sequence[BatchedRequest], after: PendingDecode | PendingVerify | None = None,
+                        steps: int = 1) -> PendingDecode:
         """Queue one decode step for every unfinished request and return without waiting for its tokens.
+
+        `steps` > 1: up to that many steps in one program, rows stopping on the device at their stop ids and length
+        (the tokens of as many single steps, bit for bit), when no row needs the host between steps (`multi_step`);
+        otherwise one step.
 
         Each row feeds its slot's last sampled token at its slot's position, both on device (`steps.SlotState`), so
         the step can be queued behind steps whose tokens the host has not read. Without `after`, every request's
@@ -312,8 +316,9 @@ class Engine(SpeculativeSteps):
         step = PendingDecode(list(requests), [], None, None, previous=after)
         if not keep:
             return step
+        n = steps if steps > 1 and self.multi_step(keep) else 1
         step.rows, step.plan, sample = decode_plans(
-            self.rules, keep, lambda r: len(self.slots.tokens[r.slot_id]) + r.positions_ahead)
+            self.rules, keep, lambda r: len(self.slots.tokens[r.slot_id]) + r.positions_ahead, n, self._stops)
         deferred = any(r.in_flight and self._masked_on_host(r, len(r.generated_tokens) + r.in_flight) for r in keep)
         if deferred:  # masks need tokens in flight: its sampler is queued when `after` is collected
             after.following = step
@@ -329,9 +334,25 @@ class Engine(SpeculativeSteps):
             else:
                 step.out = self.device.run("sample_next_masked", logits, step.sample)
         for r in keep:
-            r.in_flight += 1
-            r.positions_ahead += 1
+            r.in_flight += n
+            r.positions_ahead += n
         return step
+
+    def multi_step(self, requests: Sequence[BatchedRequest]) -> bool:
+        """Whether a step of several decode steps can run these requests with no host between its steps: no token
+        masks (structured outputs, logit_bias, bans, min_tokens), no returned hidden states, stop ids that fit the
+        plan (`plan.STOP_WIDTH`), and some request with more than one token left to generate."""
+        return (all(r.matcher is None and r.limits is None and not r.sampling.return_hidden
+                    and len(self._stops(r)[0]) <= STOP_WIDTH for r in requests)
+                and max(self._stops(r)[1] for r in requests) > 1)
+
+    def _stops(self, req: BatchedRequest) -> tuple[list[int], int]:
+        """req's stop ids on the device (its stop_token_ids, and the model's EOS ids unless ignore_eos) and how many
+        tokens it may still generate beyond those in flight (`_reaches_length`'s bound)."""
+        sp = req.sampling
+        ids = sorted(set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self.eos_ids)))
+        limit = min(sp.max_tokens, self.max_seq_len - len(req.prompt_tokens))
+        return ids, limit - len(req.generated_tokens) - req.in_flight
 
     def collect(self, step: PendingDecode | PendingVerify) -> list:
         """Read a dispatched decode or verify step (`decode_collect` / `verify_collect`)."""
@@ -349,13 +370,16 @@ class Engine(SpeculativeSteps):
         if step.logits is not None:  # its sampler still waits (the previous collect did not queue it)
             self._sample_deferred(step)
         present = [(i, r) for i, r in enumerate(step.rows) if r is not None]
+        n = step.plan.steps if step.plan is not None else 1
         for _, r in present:
-            r.in_flight -= 1
-            r.positions_ahead -= 1
+            r.in_flight -= n
+            r.positions_ahead -= n
         step.results = [None] * len(step.requests)  # collected even if the read raises: never delivered twice
         kept = [(i, r) for i, r in present if not r.finished]  # a row past its request's end is discarded
         results: dict[int, int] = {}
-        if kept:
+        if kept and n > 1:
+            self._deliver_steps(kept, step.out, step.captured, results)
+        elif kept:
             fed = [(r.slot_id, r.last_token) for _, r in kept]
             self._deliver(kept, step.out, results, step.captured)
             for slot, token in fed:  # recorded once its row is kept, so a discarded row leaves no trace
@@ -363,6 +387,20 @@ class Engine(SpeculativeSteps):
         step.results, step.out, step.captured = [results.get(id(r)) for r in step.requests], None, None
         self._sample_following(step)
         return step.results
+
+    def _deliver_steps(self, rows: list[tuple[int, BatchedRequest]], out: SampleOutput, alive: Any,
+                       results: dict[int, Any]) -> None:
+        """The tokens of a multi-step decode ([steps, rows] outputs, `alive` [steps, rows]: which are real), in step
+        order, as that many single steps would deliver them: a row ends at a stop id or its length on the device,
+        and at a host-side end (a grammar cannot be in such a step; a stop string is the scheduler's) its later tokens
+        are discarded. Each request's result is the list of its new tokens."""
+        out, alive = to_host((out, alive))
+        for t in range(alive.shape[0]):
+            for i, req in rows:
+                if alive[t, i] and not req.finished:
+                    fed = req.last_token
+                    results.setdefault(id(req), []).append(self._append_token(req, out, (t, i)))
+                    self.slots.tokens[req.slot_id].append(fed)  # as a single step records the token it fed
 
     def _sample_following(self, step: PendingDecode | PendingVerify) -> None:
         """Queue the sampler of the step after `step` that waited for its tokens (its rows' masks need them)."""

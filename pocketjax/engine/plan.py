@@ -62,6 +62,7 @@ class StepRules:
     num_layers: int = 0  # the model's: the shape of a steered step's vectors [rows, num_layers, hidden_size]
     hidden_size: int = 0
     structured: bool = False  # the engine serves structured outputs: every first-token sampler is the masked one
+    decode_steps: int = 1  # EngineConfig.decode_steps: warm-up compiles decode_sample for 1 and this many steps
 
     def rows(self, n: int) -> int:
         """Rows of a step over n requests."""
@@ -143,10 +144,15 @@ class DecodePlan:
     active: Any  # bool [rows]
     selector: Any = None  # as PrefillPlan.selector
     steer: Any = None  # as PrefillPlan.steer
+    # With steps > 1 (`decode_sample` only): each row's stop ids int32 [rows, STOP_WIDTH] (padding -1) and budget
+    # int32 [rows] (tokens it may still generate): a row stops on the device after either, writing nothing more.
+    stop_ids: Any = None
+    budget: Any = None
     kv_len: int = static(0)
     dense: bool = static(False)  # row i is slot i for every slot (StepRules.dense)
     hooks: tuple = static(())
     capture: bool = static(False)  # as PrefillPlan.capture
+    steps: int = static(1)  # decode + sample steps in the program (EngineConfig.decode_steps)
 
     @property
     def rows(self) -> int:
@@ -327,11 +333,17 @@ def decode_rows(rules: StepRules, running: Sequence[BatchedRequest]) -> tuple[li
     return list(running) + [None] * (rows - len(running)), False
 
 
-def decode_plans(rules: StepRules, running: Sequence[BatchedRequest], reach: Callable[[BatchedRequest], int]
+STOP_WIDTH = 8  # stop ids a row can stop on inside a multi-step program (a row with more decodes one step at a time)
+
+
+def decode_plans(rules: StepRules, running: Sequence[BatchedRequest], reach: Callable[[BatchedRequest], int],
+                 steps: int = 1, stops: Callable[[BatchedRequest], tuple[Sequence[int], int]] | None = None
                  ) -> tuple[list[BatchedRequest | None], DecodePlan, SamplePlan]:
     """The decode step over `running` and its sampler: each row continues from its slot's state on device, so any
     requests can share a step whatever ran before; `reach(req)`: the furthest position req's token can be at (its
-    slot's cached length plus what its steps in flight may add), which sizes the attention."""
+    slot's cached length plus what its steps in flight may add), which sizes the attention. `steps` > 1: that many
+    steps in one program (`steps.decode_sample_step`), `stops(req)` giving each row's stop ids (at most STOP_WIDTH)
+    and how many tokens it may still generate."""
     rows, dense = decode_rows(rules, running)
     active = np.array([r is not None for r in rows])
     slots = np.arange(len(rows), dtype=np.int32) if dense else np.zeros(len(rows), np.int32)
@@ -340,8 +352,16 @@ def decode_plans(rules: StepRules, running: Sequence[BatchedRequest], reach: Cal
             slots[i] = r.slot_id
     selector, hooks = row_selector(rows)
     last = max(reach(r) for r in running)
-    plan = DecodePlan(slots, active, selector, row_steering(rules, rows), kv_len=rules.kv_len(last + 1), dense=dense,
-                      hooks=hooks, capture=any(r is not None and bool(r.sampling.return_hidden) for r in rows))
+    stop_ids = budget = None
+    if steps > 1:
+        stop_ids, budget = np.full((len(rows), STOP_WIDTH), -1, np.int32), np.zeros(len(rows), np.int32)
+        for i, r in enumerate(rows):
+            if r is not None:
+                ids, budget[i] = stops(r)
+                stop_ids[i, :len(ids)] = ids
+    plan = DecodePlan(slots, active, selector, row_steering(rules, rows), stop_ids, budget,
+                      kv_len=rules.kv_len(last + steps), dense=dense, hooks=hooks,
+                      capture=any(r is not None and bool(r.sampling.return_hidden) for r in rows), steps=steps)
     sampling = pack_sampling([r.sampling if r else SamplingParams(temperature=0.0) for r in rows],
                              [r.seed if r else 0 for r in rows])
     limits = pack_limits(rows, rules.vocab_size) or (None, None, None)
@@ -402,6 +422,7 @@ class Signature(NamedTuple):
     paths: Paths | None = None  # a sampler's parts (`sampling.Paths`; None: EXACT); decode_sample's sampler
     penalized: bool = False  # sample_verify: builds every position's penalty counts (`VerifySamplePlan.penalized`)
     scored: int = 0  # prefill_scored: rows whose prompt is scored (`scored_rows`: 1, or 0 for every row)
+    steps: int = 1  # decode_sample: decode + sample steps in the program (`DecodePlan.steps`)
 
 
 def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool = False, steering: bool = False,
@@ -428,8 +449,8 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
             calls += [c._replace(step="prefill_scored", scored=n) for c in prefill for n in sorted({1, r})]
         first = "sample_first_masked" if rules.structured else "sample_first"
         calls += [Signature(first, r, num_top=t, paths=p) for p, t in WARM[SPARSE_CHAIN]]
-        calls += [Signature("decode_sample", r, kv_len=k, num_top=t, paths=p) for k in kv_lens
-                  for p, t in WARM[DECODE_CHAIN]]
+        calls += [Signature("decode_sample", r, kv_len=k, num_top=t, paths=p, steps=n) for k in kv_lens
+                  for p, t in WARM[DECODE_CHAIN] for n in sorted({1, rules.decode_steps})]
         if structured:  # a step whose masks wait for the tokens in flight: its forward pass, then its sampler
             calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
             calls += [Signature("sample_next_masked", r, num_top=t, paths=p) for p, t in WARM[SPARSE_CHAIN]]
@@ -467,8 +488,9 @@ def empty_decode(rules: StepRules, call: Signature) -> DecodePlan:
     """A decode step of `call`'s shape over inactive rows."""
     dense = rules.dense(call.rows)
     slots = np.arange(call.rows, dtype=np.int32) if dense else np.zeros(call.rows, np.int32)
-    return DecodePlan(slots, np.zeros(call.rows, bool), steer=empty_steer(rules, call), kv_len=call.kv_len,
-                      dense=dense, capture=call.captured)
+    stops = (np.full((call.rows, STOP_WIDTH), -1, np.int32), np.zeros(call.rows, np.int32)) if call.steps > 1 else ()
+    return DecodePlan(slots, np.zeros(call.rows, bool), None, empty_steer(rules, call), *stops, kv_len=call.kv_len,
+                      dense=dense, capture=call.captured, steps=call.steps)
 
 
 def empty_sample(rules: StepRules, call: Signature) -> SamplePlan:

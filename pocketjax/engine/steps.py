@@ -149,10 +149,27 @@ def decode_sample_step(params, cache: KVCache, state: SlotState, plan: DecodePla
                        config: ModelConfig, impl: str
                        ) -> tuple[KVCache, SlotState, SampleOutput, jax.Array | None]:
     """A decode step and its sampler as one program (one dispatch per token, no logits leaving it): the forward pass
-    of `decode_step`, then `sample_step`'s draw; the cache and the slot state are both donated."""
-    cache, logits, captured = _decode(params, cache, state, plan, config, impl)
-    state, out = _sample(state, logits, sample)
-    return cache, state, out, captured
+    of `decode_step`, then `sample_step`'s draw; the cache and the slot state are both donated.
+
+    `plan.steps` > 1: that many decode + sample steps in a loop of static length, each exactly the one step above
+    over the rows still alive; a row dies after a token among its `plan.stop_ids` or once it has generated its
+    `plan.budget`, and a dead row writes nothing (cache, slot state). Returns the outputs stacked [steps, rows, ...]
+    and, in place of the captured stream, alive bool [steps, rows]: which rows' tokens are real."""
+    if plan.steps == 1:
+        cache, logits, captured = _decode(params, cache, state, plan, config, impl)
+        state, out = _sample(state, logits, sample)
+        return cache, state, out, captured
+
+    def step(carry: tuple, index: jax.Array) -> tuple[tuple, tuple[SampleOutput, jax.Array]]:
+        cache, state, alive = carry
+        cache, logits, _ = _decode(params, cache, state, replace(plan, active=plan.active & alive), config, impl)
+        state, out = _sample(state, logits, replace(sample, rows_on=sample.rows_on & alive))
+        stopped = jnp.any(out.tokens[:, None] == plan.stop_ids, axis=1) | (index + 1 >= plan.budget)
+        return (cache, state, alive & ~stopped), (out, alive)
+
+    alive = plan.active & (plan.budget > 0)
+    (cache, state, _), (out, alive) = lax.scan(step, (cache, state, alive), jnp.arange(plan.steps, dtype=jnp.int32))
+    return cache, state, out, alive
 
 
 @partial(jax.jit, donate_argnames=("state",))

@@ -41,6 +41,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         help="which values logprobs report (vLLM's names): raw_logprobs (default: of the model's "
                              "logits), processed_logprobs (of the distribution sampled from, after masks, logit_bias, "
                              "penalties, temperature, top_k/top_p/min_p), raw_logits, processed_logits")
+    engine.add_argument("--decode-steps", dest="decode_steps", type=int,
+                        help="decode steps per dispatch (one program; rows stop on the device): the same tokens")
     engine.add_argument("--speculative-config", dest="speculative", metavar="JSON",
                         help='speculative decoding (vLLM\'s spelling), e.g. \'{"method": "ngram", '
                              '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}\'')

@@ -222,7 +222,8 @@ class Scheduler:
         self._run(prefilling, self.engine.batch_prefill, [h.request for h in prefilling],
                   token_budget=self.prefill_token_budget, alone=self._prefill_alone)
         self.decoder.advance([h.request for h in decoding], guard=partial(self._run, decoding),
-                             deliver=partial(self._hand_out, decoding), timed=not prefilling)
+                             deliver=partial(self._hand_out, decoding), timed=not prefilling,
+                             waiting=bool(prefilling or self.waiting))
         self._hand_out(batch)
         with self._cond:
             return self.has_work()
