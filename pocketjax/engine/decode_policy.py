@@ -81,11 +81,12 @@ class DecodePolicy:
         two, read the first); each runs up to `steps` steps. Tokens read may end a request (a stop token or string);
         its row in the step queued after them is discarded by the engine."""
         pending, self.pending = self.pending, None
+        several = {"steps": steps} if steps > 1 else {}
         if pending is None and any(not r.finished for r in requests):
-            pending = guard(self.engine.decode_dispatch, requests, steps=steps, alone=self._decode_alone)
+            pending = guard(self.engine.decode_dispatch, requests, alone=self._decode_alone, **several)
         if pending is None:
             return
-        following = (guard(self.engine.decode_dispatch, requests, after=pending, steps=steps)
+        following = (guard(self.engine.decode_dispatch, requests, after=pending, **several)
                      if any(not r.finished for r in requests) else None)
         if guard(self.engine.collect, pending) is not None:
             self.pending = following

@@ -4,8 +4,9 @@ The host side only moves small integer arrays per step; the forward pass, sampli
 the jitted steps of `steps.py`; a decode step and its sampler are one program (one dispatch per token; a step whose
 token masks come from the host runs them as two). A decode step is split in two on the host, `decode_dispatch`
 (queue it, return at once) and `decode_collect` (the one host read), so a caller can keep one step in flight while it
-works on the tokens of the one before (the Scheduler's policy); `batch_decode_step` does both. A decode step's inputs are each slot's state on
-device (`steps.SlotState`), so any requests can share a step queued behind steps the host has not read.
+works on the tokens of the one before (the Scheduler's policy); `batch_decode_step` does both. A decode step's
+inputs are each slot's state on device (`steps.SlotState`), so any requests can share a step queued behind steps the
+host has not read.
 """
 from __future__ import annotations
 

@@ -457,7 +457,8 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
         if rules.verify_width:
             w = rules.verify_width
             calls += [Signature("verify", r, w, k) for k in kv_lens]
-            calls += [Signature("sample_verify", r, w, num_top=t, paths=p) for p, t in WARM[DECODE_CHAIN]]
+            calls += [Signature("sample_verify", r, w, num_top=t, paths=p, penalized=pen) for p, t in WARM[DECODE_CHAIN]
+                      for pen in ((False, True) if p != GREEDY else (False,))]  # (a penalized batch is never GREEDY)
     forward = ("prefill", "decode_sample", "decode", "verify")
     if steering:  # every forward step again with steering vectors (one program each, whatever the vectors)
         calls += [c._replace(steered=True) for c in calls if c.step in forward]
