@@ -28,6 +28,7 @@ from . import plan as plans
 from .plan import Signature, StepRules, signatures
 from .steps import (SlotState, copy_slot_prefix, decode_sample_step, decode_step, prefill_step, sample_step,
                     verify_sample_step, verify_step)
+from .weights import refuse_deleted_params
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ class Device:
         self.state: SlotState | None = None  # each slot's next decode input and penalty state
         self.warm = False  # warm-up ran: a step that compiles afterwards is logged (`run`)
 
+    @refuse_deleted_params  # a training step that donated the params: a ConfigError naming update_params
     def run(self, name: str, *args: Any) -> Any:
         """Step `name` (a `plan.Signature` step) on this device's buffers: a plan (a sampler: logits, plan; a fused step:
         its two plans; copy_prefix: src, dst, length); the buffers it donates are replaced by the step's results, the
