@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 
 SIZES = dict(max_batch_size=4, max_seq_len=128)
 CHECKPOINT = "qwen3_gqa4_headdim"
+SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
 FORMS = {  # name: (checkpoint dtype, load_model options, Engine options); each weight and cache form at least once
     "float32": ("float32", {}, {}),
     "bfloat16": ("bfloat16", dict(dtype="bfloat16"), {}),
@@ -35,17 +36,18 @@ FORMS = {  # name: (checkpoint dtype, load_model options, Engine options); each 
     "float32-fp8kv": ("float32", {}, dict(kv_dtype="float8_e4m3fn")),  # opaque's float32 form beside fp8 casts
     "bfloat16-int4-fp8kv": ("bfloat16", dict(dtype="bfloat16", quantize="int4"), dict(kv_dtype="float8_e4m3fn")),
     "float32-lora": ("float32", dict(scan_layers=False), {}),  # + an unmerged adapter (ADAPTERS)
-    "int4-int8kv-speculative": ("float32", dict(quantize="int4"), dict(kv_dtype="int8", speculative="verify")),
-    "float32-tp2": ("float32", dict(tp=2), {}),  # two CPU devices (conftest): the kernels per device, shard_map
+    "int4-int8kv-speculative": ("float32", dict(quantize="int4"), dict(kv_dtype="int8", speculative=SPEC)),
 }
-SPEC = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1)
+# one TP2 engine on two CPU devices (conftest): the kernels per device under shard_map. Apart from FORMS, which the
+# trainer's tests also run: pj.logits on a mesh runs XLA's forms (README "Guarantees")
+MATRIX = {**FORMS, "float32-tp2": ("float32", dict(tp=2), {})}
 ADAPTERS = {"float32-lora": LoraConfig(rank=4, alpha=8.0, targets=("q", "v", "o", "down"))}
 
 
 def load(checkpoints: dict, form: str):
-    """The model of a FORMS entry: its checkpoint loaded with its options, with its unmerged adapter attached (random
+    """The model of a MATRIX entry: its checkpoint loaded with its options, with its unmerged adapter attached (random
     A and B: PEFT's zero B would make the adapter a no-op)."""
-    dtype, load_options, _ = FORMS[form]
+    dtype, load_options, _ = MATRIX[form]
     model = pj.load_model(checkpoints[dtype], **load_options)
     if form not in ADAPTERS:
         return model
@@ -60,11 +62,10 @@ def load(checkpoints: dict, form: str):
 
 
 def make_engine(model, engine_options: dict, **options) -> Engine:
-    """An Engine with a FORMS entry's options; speculative="verify" runs n-gram speculation verifying every draft
-    (the timing policy is tested apart), so verify steps meet batches and chunks in the matrix."""
-    verify = engine_options.get("speculative") == "verify"
-    made = Engine(model, **{**options, **engine_options, **(dict(speculative=SPEC) if verify else {})})
-    if verify:
+    """An Engine with a MATRIX entry's options; a speculative one verifies every draft (the timing policy is tested
+    apart), so verify steps meet batches and chunks in the matrix."""
+    made = Engine(model, **options, **engine_options)
+    if made.speculator is not None:
         made.speculator.pays = lambda *_: True
     return made
 
@@ -135,9 +136,9 @@ def checkpoints(hf_checkpoint):
     return {dtype: hf_checkpoint(CHECKPOINT, dtype=dtype) for dtype in ("float32", "bfloat16")}
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", list(MATRIX))
 def test_a_request_is_the_same_bits_alone_batched_chunked_and_with_a_reused_prefix(checkpoints, form):
-    cells = matrix_cells(load(checkpoints, form), seed=sorted(FORMS).index(form), engine_options=FORMS[form][2])
+    cells = matrix_cells(load(checkpoints, form), seed=sorted(MATRIX).index(form), engine_options=MATRIX[form][2])
     assert cells == {"batched": 4, "chunked": 2, "prefix": 2}
 
 
