@@ -449,3 +449,23 @@ def test_readiness_reports_the_engines_warmup_call_by_call(llm, monkeypatch):
     assert [entry[0] for entry in seen] == ["ran", 1] + [x for d in range(2, total + 1) for x in ("ran", d)]
     assert {s for _, _, s in reports} == {"warming"} and readiness.ready and readiness.error is None
     assert readiness.health()["progress"] == {"done": total, "total": total}
+
+
+def test_a_stopped_warmup_ends_after_its_current_shape():
+    """`serve` interrupted while warming up stops the warm-up between shapes and waits for it, so the process exits
+    cleanly (a process exiting while XLA compiles on another thread aborts in C++)."""
+    from pocketjax.serve.http.readiness import Readiness
+
+    readiness, compiled = Readiness(), []
+
+    def warm(progress):  # stands for engine.warmup over 1,000 shapes of 10 ms each
+        for done in range(1, 1001):
+            time.sleep(0.01)
+            compiled.append(done)
+            progress(done, 1000)
+
+    thread = readiness.start(warm)
+    assert wait_until(lambda: readiness.done >= 3)
+    readiness.stop(timeout=30)
+    assert not thread.is_alive() and len(compiled) < 1000 and compiled[-1] == readiness.done
+    assert readiness.status == "failed" and "shutting down" in readiness.health()["error"]

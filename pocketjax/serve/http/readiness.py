@@ -31,6 +31,10 @@ RETRY_AFTER_S = 5  # warm-up compiles one shape in ~0.5-5 s on 2 cores; clients 
 Progress = Callable[[int, int], None]
 
 
+class WarmupStopped(Exception):
+    """Raised from the progress callback once `Readiness.stop` is called: the warm-up ends after its current shape."""
+
+
 class Readiness:
     """Whether a server's engine is warm: "warming" from `start` until its warm-up returns ("ready") or raises
     ("failed"); `done` / `total` count the shapes compiled so far. A Readiness never started is ready."""
@@ -40,6 +44,8 @@ class Readiness:
         self.error: str | None = None
         self._warming = False
         self._started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def status(self) -> str:
@@ -50,20 +56,32 @@ class Readiness:
         return self.status == "ready"
 
     def progress(self, done: int, total: int) -> None:
-        """The warm-up's progress callback: `done` of `total` shapes compiled."""
+        """The warm-up's progress callback: `done` of `total` shapes compiled (WarmupStopped once `stop` is called)."""
         self.done, self.total = done, total
+        if self._stop.is_set():
+            raise WarmupStopped(f"stopped after {done} of {total} shapes: the server is shutting down")
 
     def start(self, warm: Callable[[Progress], Any]) -> threading.Thread:
         """Run `warm(self.progress)` (e.g. `engine.warmup(progress_callback=...)`) on a daemon thread; ready when
         it returns. Nothing else may drive the engine until then: the generation routes are refused meanwhile."""
         self._warming, self._started = True, time.monotonic()
-        thread = threading.Thread(target=self._run, args=(warm,), name="pocketjax-warmup", daemon=True)
+        thread = self._thread = threading.Thread(target=self._run, args=(warm,), name="pocketjax-warmup", daemon=True)
         thread.start()
         return thread
+
+    def stop(self, timeout: float = 120.0) -> None:
+        """End a running warm-up after the shape it is compiling and wait for it (a server shutting down: a process
+        that exits while XLA compiles on another thread aborts in C++ instead of exiting cleanly)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
 
     def _run(self, warm: Callable[[Progress], Any]) -> None:
         try:
             warm(self.progress)
+        except WarmupStopped as e:
+            log.info("warm-up %s", e)
+            self.error = str(e)
         except BaseException as e:  # noqa: BLE001 - reported on /health, and the generation routes stay closed
             log.exception("warm-up failed; /health answers 503 and generation routes stay closed")
             self.error = f"{type(e).__name__}: {e}"

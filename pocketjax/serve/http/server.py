@@ -144,7 +144,10 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, *, api_key: str |
         readiness.start(lambda progress: llm.engine.warmup(progress_callback=progress))
     options = limits.uvicorn_options()
     log.info("HTTP: uvicorn's %s, at most %d connections", HTTP_PROTOCOL.__name__, limits.connections())
-    uvicorn.run(app, host=host, port=port, log_level=log_level, **options)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level, **options)
+    finally:
+        readiness.stop()  # interrupted while warming up: end after the current shape, then exit
 
 
 class BackgroundServer:
