@@ -10,10 +10,11 @@ import pytest
 import pocketjax as pj
 from pocketjax.engine.engine import Engine
 from pocketjax.engine.generate import FINISH_REASONS
-from pocketjax.errors import RequestError, SamplingError
+from pocketjax.errors import ConfigError, RequestError, SamplingError
 from pocketjax.model import cpu_kernels
 
-from test_batch_invariance import CHECKPOINT, FORMS, SIZES as MATRIX_SIZES
+from test_batch_invariance import CHECKPOINT, FORMS, SIZES as MATRIX_SIZES, load, make_engine
+from test_host_free import device_branches
 from test_speculative import run  # allocate, prefill, step to completion; frees the slots
 
 N = 6  # max_new_tokens: every test uses the same, so the float32 program compiles once
@@ -31,7 +32,7 @@ def jitted(model: pj.Model, prompts, sampling, **options) -> pj.Generation:
 def assert_engine_bits(model: pj.Model, engine_options: dict, prompts, sampling, got=None) -> pj.Generation:
     """Runs the engine and (unless given its output `got`) generate on the same requests, and asserts they agree
     bit for bit; returns generate's output."""
-    want = run(Engine(model, **SIZES, **engine_options), prompts, sampling, False)
+    want = run(make_engine(model, engine_options, **SIZES), prompts, sampling, False)  # the matrix's engine
     got = got if got is not None else jitted(model, prompts, sampling, kv_dtype=engine_options.get("kv_dtype"))
     for i, req in enumerate(want):
         n = int(got.lengths[i])
@@ -63,11 +64,15 @@ def model(checkpoints):
 def test_generate_is_the_engine_bit_for_bit_in_every_form(checkpoints, form):
     """Greedy stopping at a stop token, seeded top-k/top-p, and penalized top-p cut by its max_tokens: tokens,
     logprobs, lengths and finish reasons as the engine gives them (its own shapes: one prefill of every prompt)."""
-    dtype, load_options, engine_options = FORMS[form]
-    model = pj.load_model(checkpoints[dtype], **load_options)
+    engine_options = FORMS[form][2]
+    model = load(checkpoints, form)  # as the matrix loads it (adapters included)
     prompts = prompts_of(model.config.vocab_size, sorted(FORMS).index(form))
     greedy = pj.SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
-    (free,) = run(Engine(model, **SIZES, **engine_options), prompts[:1], [greedy], False)
+    if model.mesh is not None:  # the engine's TP forms run shard_map'd kernels: not generate's program
+        with pytest.raises(ConfigError, match="one device"):
+            pj.generate(model, prompts, greedy, N)
+        return
+    (free,) = run(make_engine(model, engine_options, **SIZES), prompts[:1], [greedy], False)
     sampling = [pj.SamplingParams(max_tokens=N, temperature=0.0, stop_token_ids=[free.generated_tokens[3]]),
                 pj.SamplingParams(max_tokens=N, temperature=0.9, top_k=30, top_p=0.9, seed=7, ignore_eos=True),
                 pj.SamplingParams(max_tokens=4, temperature=1.1, top_p=0.5, repetition_penalty=1.3,
@@ -93,7 +98,8 @@ def test_min_tokens_bans_stop_ids_until_reached_as_the_engine_does(model):
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: XLA's forms, not batch invariant")
 def test_traced_seeds_and_array_prompts_give_the_engine_bits_of_those_seeds(model):
     """A padded prompt array with lengths and seeds drawn under jit from a key (a trainer's use): the engine's bits
-    for requests with those seeds; other seeds draw other tokens from the same program."""
+    for requests with those seeds; other seeds draw other tokens from the same program, which decides no branch on
+    the device (no HLO conditional, every while a known trip count: the scan and the sampler's searches)."""
     prompts = prompts_of(model.config.vocab_size, 1)
     tokens = np.zeros((3, max(map(len, prompts))), np.int32)
     for i, p in enumerate(prompts):
@@ -109,6 +115,7 @@ def test_traced_seeds_and_array_prompts_give_the_engine_bits_of_those_seeds(mode
     assert_engine_bits(model, {}, prompts, [dataclasses.replace(unseeded, seed=s) for s in seeds], got)
     other = jax.device_get(step(model.params, tokens, lengths, jax.random.key(1)))
     assert not (other.tokens == got.tokens).all(), "other seeds draw other tokens"
+    assert not device_branches(step.lower(model.params, tokens, lengths, key).compile().as_text())
 
 
 @pytest.mark.parametrize("field, value", [("stop", ["\n"]), ("structured", {"regex": "a+"}), ("logprobs", 2),

@@ -23,14 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..errors import RequestError, SamplingError
+from ..errors import ConfigError, RequestError, SamplingError
 from ..model.config import ModelConfig, read_eos_ids
 from ..model.decoder import Model, Params, decode_forward, is_stacked, prefill_forward
 from ..model.kv_cache import check_kv_dtype, default_kv_dtype, init_cache
 from ..model.layers import resolve_impl
 from ..model.quant import untiled_params
 from .processors import clear
-from .sampling import SamplingArrays, pack_sampling, sample
+from .sampling import Paths, SamplingArrays, pack_sampling, paths_for, sample
 from .sampling_params import DEFAULT_LOGPROBS_MODE, SamplingParams, check_logprobs_mode
 
 # Generation.finish_reasons codes: FINISH_REASONS[code] is the engine's name ("length": max_tokens or
@@ -84,10 +84,13 @@ def generate(model: Model, prompts, sampling: SamplingParams | Sequence[Sampling
     max_new_tokens) tokens; min_tokens bans EOS and stop ids before it as the engine does. `seeds` uint32 [B] (may
     be traced) replaces SamplingParams.seed, which must then be None; a sampled row needs one or the other.
     `kv_dtype`, `attention_impl`, `logprobs_mode`: as the engine's options of those names (the same defaults).
-    `model` may hold traced params (`dataclasses.replace(model, params=params)` inside the caller's jit).
+    `model` may hold traced params (`dataclasses.replace(model, params=params)` inside the caller's jit): pass them
+    as an argument of that jit, as the engine does; closed over, they are constants XLA folds in other bits.
     Values are checked only where concrete; under tracing an out-of-range id is clamped as in any jnp indexing.
     """
     config = model.config
+    if model.mesh is not None:
+        raise ConfigError("pj.generate runs on one device: a model on a mesh (tp > 1) is served by pj.Engine")
     if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
         raise RequestError(f"max_new_tokens must be a static int >= 1, got {max_new_tokens!r}")
     tokens, lengths = _prompt_arrays(prompts, lengths, config.vocab_size)
@@ -104,20 +107,23 @@ def generate(model: Model, prompts, sampling: SamplingParams | Sequence[Sampling
     limits = np.array([min(p.max_tokens, max_new_tokens) for p in params], np.int32)
     min_tokens = np.array([p.min_tokens for p in params], np.int32)
     bans = _min_token_bans(stops, min_tokens, config.vocab_size) if min_tokens.any() else None
+    paths = paths_for(arrays, config.vocab_size)  # the sampler's parts the rows need, chosen here as the engine does
     return _generate(weights, tokens, lengths, arrays, _padded(stops), limits, min_tokens, bans, config=config,
                      impl=impl, kv_dtype=kv_dtype, max_new_tokens=int(max_new_tokens), logprobs_mode=logprobs_mode,
-                     pad_id=int(pad_id))
+                     pad_id=int(pad_id), paths=paths)
 
 
-def _sample(logits, arrays, prompt_mask, counts, steps, allowed, logprobs_mode):
-    """The one call of the engine's sampler (the engine passes the same arguments: `steps.sample_step`)."""
-    return sample(logits, arrays, prompt_mask, counts, steps, allowed, num_top=0, logprobs_mode=logprobs_mode)
+def _sample(logits, arrays, prompt_mask, counts, steps, allowed, logprobs_mode: str, paths: Paths):
+    """The one call of the engine's sampler (the engine passes the same arguments: `steps._sample`)."""
+    return sample(logits, arrays, prompt_mask, counts, steps, allowed, num_top=0, logprobs_mode=logprobs_mode,
+                  paths=paths)
 
 
-@partial(jax.jit, static_argnames=("config", "impl", "kv_dtype", "max_new_tokens", "logprobs_mode", "pad_id"))
+@partial(jax.jit, static_argnames=("config", "impl", "kv_dtype", "max_new_tokens", "logprobs_mode", "pad_id",
+                                   "paths"))
 def _generate(params: Params, tokens: jax.Array, lengths: jax.Array, arrays: SamplingArrays, stops: jax.Array,
               limits: jax.Array, min_tokens: jax.Array, bans: jax.Array | None, *, config: ModelConfig, impl: str,
-              kv_dtype: str, max_new_tokens: int, logprobs_mode: str, pad_id: int) -> Generation:
+              kv_dtype: str, max_new_tokens: int, logprobs_mode: str, pad_id: int, paths: Paths) -> Generation:
     """`generate` after its checks: prefill, then a scan of sample + decode steps."""
     b, t = tokens.shape
     vocab = config.vocab_size
@@ -139,7 +145,7 @@ def _generate(params: Params, tokens: jax.Array, lengths: jax.Array, arrays: Sam
         cache, logits, counts, done, reason = carry
         active = ~done
         steps = jnp.full(b, i, jnp.int32)
-        out = _sample(logits, arrays, prompt_mask, counts, steps, allowed(steps), logprobs_mode)
+        out = _sample(logits, arrays, prompt_mask, counts, steps, allowed(steps), logprobs_mode, paths)
         counts = counts.at[slots, out.tokens].add(active.astype(jnp.int32))
         stop = active & stopped(out.tokens)
         reason = jnp.where(stop, STOP, reason)
