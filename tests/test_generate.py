@@ -13,7 +13,7 @@ from pocketjax.engine.generate import FINISH_REASONS
 from pocketjax.errors import ConfigError, RequestError, SamplingError
 from pocketjax.model import cpu_kernels
 
-from test_batch_invariance import CHECKPOINT, FORMS, SIZES as MATRIX_SIZES, load, make_engine
+from test_batch_invariance import CHECKPOINT, MATRIX, SIZES as MATRIX_SIZES, load, make_engine
 from test_host_free import device_branches
 from test_speculative import run  # allocate, prefill, step to completion; frees the slots
 
@@ -60,13 +60,13 @@ def model(checkpoints):
 
 
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: XLA's forms, not batch invariant")
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", list(MATRIX))
 def test_generate_is_the_engine_bit_for_bit_in_every_form(checkpoints, form):
     """Greedy stopping at a stop token, seeded top-k/top-p, and penalized top-p cut by its max_tokens: tokens,
     logprobs, lengths and finish reasons as the engine gives them (its own shapes: one prefill of every prompt)."""
-    engine_options = FORMS[form][2]
+    engine_options = MATRIX[form][2]
     model = load(checkpoints, form)  # as the matrix loads it (adapters included)
-    prompts = prompts_of(model.config.vocab_size, sorted(FORMS).index(form))
+    prompts = prompts_of(model.config.vocab_size, sorted(MATRIX).index(form))
     greedy = pj.SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
     if model.mesh is not None:  # the engine's TP forms run shard_map'd kernels: not generate's program
         with pytest.raises(ConfigError, match="one device"):
