@@ -12,14 +12,14 @@ from .engine.request import BatchedRequest, Completion
 from .engine.sampling_params import SamplingParams
 from .engine.structured import Structured
 from .model.config import ModelConfig
-from .model.decoder import Model, load_model, logits, loss
+from .model.decoder import Model, load_model, logits, logprobs, loss
 from .model.memory import MemoryPlan, plan_memory
 from .serve.llm import LLM, Score
 from .serve.scheduler import RequestHandle, Scheduler
 
 __all__ = [
     "errors", "ModelConfig", "EngineConfig", "Model", "load_model", "logits", "Engine", "BatchedRequest",
-    "Completion", "SamplingParams", "Structured", "Scheduler", "RequestHandle", "LLM", "Score", "loss", "MemoryPlan",
-    "plan_memory", "generate", "Generation",
+    "Completion", "SamplingParams", "Structured", "Scheduler", "RequestHandle", "LLM", "Score", "loss", "logprobs",
+    "MemoryPlan", "plan_memory", "generate", "Generation",
 ]
 __version__ = "0.1.0"

@@ -30,7 +30,8 @@ from .config import DTYPES, ModelConfig
 from .hub import resolve_checkpoint
 from ..errors import ConfigError, RequestError
 from .memory import check_fits, plan_memory
-from .kv_cache import QMAX, KVCache, check_kv_dtype, dequantize, quantize
+from .kv_cache import QMAX, KVCache, check_kv_dtype, default_kv_dtype, dequantize, quantize
+from .numerics import fixed_logsumexp, fixed_sum
 from .lora import merging_placer, read_adapter
 from .sharding import make_mesh, mesh_tp, sharded_placer, stacked_spec
 
@@ -169,10 +170,11 @@ def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dt
     """float32 logits [B, T, vocab] of a full causal forward over tokens [B, T], no cache; with `keep_hidden`,
     (logits, hidden [layers + 1, B, T, H]) as `layer_stack` gives them.
 
-    kv_dtype "int8" / "float8_e4m3fn" rounds K and V as a quantized cache stores them (scoring its accuracy cost).
+    kv_dtype: K and V as a cache of that dtype stores them: "int8" / "float8_e4m3fn" rounded as a quantized cache
+    does, a float dtype cast to it (a bf16 model's float32 cache on CPU attends in float32); None: the model's dtype.
     `hook` is static: each distinct function object compiles once. `impl` "cpu": the engine's native CPU kernels
     (products and attention, a quantized K/V read as the cache stores it), so the logits are the engine's bit for
-    bit (`logits`); "xla": XLA's forms (training: faster derivatives).
+    bit (`logits`, `logprobs`, `loss`); "xla": XLA's forms (no native kernels; the training/ evaluation's default).
     """
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -186,6 +188,8 @@ def forward_logits(params: Params, config: ModelConfig, tokens: jax.Array, kv_dt
             return layers.prefill_attention(impl, q, kv, zeros, full), state
         if kv_dtype in QMAX:
             k, v = (dequantize(*quantize(x, kv_dtype), x.dtype) for x in (k, v))
+        elif kv_dtype is not None:  # as `write_tokens` stores them in a float cache of another dtype
+            k, v = k.astype(kv_dtype), v.astype(kv_dtype)
         return layers.prefill_attention(impl, q, (k.transpose(heads_first), v.transpose(heads_first)), zeros,
                                         full), state
 
@@ -333,9 +337,12 @@ def load_model(path: str | Path, dtype: str | None = None, tp: int = 1, quantize
 
 def logits(model: Model, tokens, kv_dtype: str | None = None, *, return_hidden: bool = False,
            hook: Hook | None = None):
-    """float32 logits [B, T, vocab] for int tokens [B, T] (or [T]): a full causal forward without cache.
+    """float32 logits [B, T, vocab] for int tokens [B, T] (or [T]): a full causal forward without cache, in the
+    engine's forms (`logits_impl`), so on the CPU default they are the engine's logits bit for bit.
 
-    kv_dtype: score with K/V rounded as a cache of that dtype stores them ("int8", "float8_e4m3fn").
+    kv_dtype: attend over K/V as a cache of that dtype holds them ("int8", "float8_e4m3fn" rounded; a float dtype
+    cast); None: the cache a default Engine keeps for this model (`default_kv_dtype`: float32 for a 16-bit model on
+    CPU). Pass `engine.kv_dtype` to score in the form an engine samples with.
     return_hidden: return (logits, hidden) with hidden [layers + 1, B, T, hidden_size] in the model's dtype: the
     embedding output, then the residual stream after every layer (after `hook`). Entries 0..layers-1 equal
     transformers' `output_hidden_states`; the last is before the final norm, where transformers' last entry is
@@ -351,23 +358,49 @@ def logits(model: Model, tokens, kv_dtype: str | None = None, *, return_hidden: 
     the embedding gather, as in any jnp indexing.
     """
     tokens = jnp.asarray(tokens)
+    tokens = checked_tokens(tokens[None] if tokens.ndim == 1 else tokens, model.config.vocab_size)
+    if hook is not None and not callable(hook):
+        raise RequestError(f"hook must be a function (layer, hidden) -> hidden, got {type(hook).__name__}")
+    return forward_logits(model.params, model.config, tokens, cache_form(model.dtype, kv_dtype), hook,
+                          bool(return_hidden), logits_impl(model.mesh))
+
+
+def logprobs(model: Model, tokens, kv_dtype: str | None = None) -> jax.Array:
+    """float32 [B, T - 1] for int tokens [B, T] (T >= 2): entry t is log p(token t + 1 | tokens <= t), the
+    engine's raw logprobs (`logprobs_mode="raw_logprobs"`, the default) of those tokens, bit for bit on the CPU
+    default when `kv_dtype` is the engine's (`engine.kv_dtype`; None: a default Engine's, as in `logits`).
+
+    What an RL trainer computes its ratios with: the sampler's numbers, not a second forward's. Differentiable in
+    the params (`jax.grad` of a loss on them, with `dataclasses.replace(model, params=params)`); checked as `logits`.
+    """
+    tokens = checked_tokens(tokens, model.config.vocab_size, min_length=2)
+    return next_token_logprobs(model.params, model.config, tokens, cache_form(model.dtype, kv_dtype),
+                               logits_impl(model.mesh))
+
+
+def checked_tokens(tokens, vocab: int, min_length: int = 1) -> jax.Array:
+    """int32 token ids [B, T], T >= min_length; RequestError for another dtype or shape, and, when the ids are
+    concrete (not traced: their values are unknown then), for an id outside [0, vocab)."""
+    tokens = jnp.asarray(tokens)
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise RequestError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+    if tokens.ndim != 2 or tokens.shape[1] < min_length:
+        raise RequestError(f"tokens must be a non-empty [B, T] integer array with T >= {min_length}, got shape "
+                           f"{tokens.shape}")
     tokens = tokens.astype(jnp.int32)
-    if tokens.ndim == 1:
-        tokens = tokens[None]
-    if tokens.ndim != 2 or tokens.shape[1] == 0:
-        raise RequestError(f"tokens must be a non-empty [B, T] integer array, got shape {tokens.shape}")
-    vocab = model.config.vocab_size
     if not isinstance(tokens, jax.core.Tracer):
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= vocab:
             raise RequestError(f"token ids must lie in [0, {vocab}), got range [{low}, {high}]")
+    return tokens
+
+
+def cache_form(dtype, kv_dtype: str | None) -> str | None:
+    """`forward_logits`' static kv_dtype for a model of `dtype`: `kv_dtype`, or a default Engine's cache dtype
+    (`default_kv_dtype`), as None where that is the model's own dtype (one compiled program for both spellings)."""
     check_kv_dtype(kv_dtype)
-    if hook is not None and not callable(hook):
-        raise RequestError(f"hook must be a function (layer, hidden) -> hidden, got {type(hook).__name__}")
-    return forward_logits(model.params, model.config, tokens, kv_dtype, hook, bool(return_hidden),
-                          logits_impl(model.mesh))
+    form = kv_dtype or default_kv_dtype(dtype)
+    return None if form == jnp.dtype(dtype).name else form
 
 
 def logits_impl(mesh: Any = None) -> str:
@@ -377,32 +410,51 @@ def logits_impl(mesh: Any = None) -> str:
     return "cpu" if native else "xla"
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean float32 cross-entropy of logits [..., V] against integer targets [...]."""
+def token_logprobs(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """float32 log_softmax of logits [..., V] at integer targets [...], in the sampler's numerics
+    (`engine.sampling.token_logprobs`: the logsumexp a `fixed_logsumexp`), so a row's bits are the engine's."""
     logits = logits.astype(jnp.float32)
     picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+    return picked - fixed_logsumexp(logits)
 
 
-def loss(model_or_params: Model | Params, tokens: jax.Array, config: ModelConfig | None = None) -> jax.Array:
-    """Mean next-token cross-entropy (float32 scalar) of int tokens [B, T]: position t predicts token t + 1.
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean float32 cross-entropy of logits [..., V] against integer targets [...]: minus the mean of
+    `token_logprobs`, summed in a fixed order (`fixed_sum`), so the loss is a function of the sampler's numbers."""
+    picked = token_logprobs(logits, targets)
+    return -fixed_sum(picked.reshape(-1)) / picked.size
+
+
+def loss(model_or_params: Model | Params, tokens: jax.Array, config: ModelConfig | None = None,
+         kv_dtype: str | None = None) -> jax.Array:
+    """Mean next-token cross-entropy (float32 scalar) of int tokens [B, T]: position t predicts token t + 1. The
+    same forms and numerics as `logprobs` (the engine's), so it is minus the fixed-order mean of the engine's raw
+    logprobs of those tokens; kv_dtype as in `logits`.
 
     Differentiable in the params: `jax.grad(loss)(params, tokens, config)`. Takes a `pj.Model` or a params
     pytree with its `config`.
     """
     if isinstance(model_or_params, Model):
-        params, config = model_or_params.params, config or model_or_params.config
-    else:
-        params = model_or_params
-    if config is None:
+        model = replace(model_or_params, config=config or model_or_params.config)
+    elif config is None:
         raise ConfigError("loss(params, tokens) needs config=ModelConfig(...) when given a params pytree")
-    tokens = jnp.asarray(tokens, jnp.int32)
-    if tokens.ndim != 2 or tokens.shape[1] < 2:
-        raise RequestError(f"tokens must be an integer array [B, T] with T >= 2, got shape {tokens.shape}")
-    return next_token_loss(params, config, tokens)
+    else:
+        model = Model(config, model_or_params)
+    tokens = checked_tokens(tokens, model.config.vocab_size, min_length=2)
+    return next_token_loss(model.params, model.config, tokens, cache_form(model.dtype, kv_dtype),
+                           logits_impl(model.mesh))
 
 
-@partial(jax.jit, static_argnames="config")
-def next_token_loss(params: Params, config: ModelConfig, tokens: jax.Array) -> jax.Array:
+@partial(jax.jit, static_argnames=("config", "kv_dtype", "impl"))
+def next_token_logprobs(params: Params, config: ModelConfig, tokens: jax.Array, kv_dtype: str | None = None,
+                        impl: str = "xla") -> jax.Array:
+    """`logprobs` without the checks, jitted: float32 [B, T - 1]. The forward runs over tokens[:, :-1] only (the
+    last token predicts nothing scored), which is causal, so each position's bits are unchanged."""
+    return token_logprobs(forward_logits(params, config, tokens[:, :-1], kv_dtype, impl=impl), tokens[:, 1:])
+
+
+@partial(jax.jit, static_argnames=("config", "kv_dtype", "impl"))
+def next_token_loss(params: Params, config: ModelConfig, tokens: jax.Array, kv_dtype: str | None = None,
+                    impl: str = "xla") -> jax.Array:
     """`loss` without the checks, jitted: one compiled program per shape whether called eagerly or under grad."""
-    return cross_entropy(forward_logits(params, config, tokens[:, :-1]), tokens[:, 1:])
+    return cross_entropy(forward_logits(params, config, tokens[:, :-1], kv_dtype, impl=impl), tokens[:, 1:])
