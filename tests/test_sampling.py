@@ -253,3 +253,41 @@ def test_validate_accepts_good_params_and_normalizes_sequences():
     with pytest.raises(SamplingError, match="stop_token_ids"):
         params.validate(vocab_size=9)
     assert P(temperature=0.0).greedy and P(top_k=1).greedy and not P().greedy
+
+
+MIXES = {  # rows of each batch; the variant `paths_for` picks is in the id
+    "greedy": [P(temperature=0.0)] * 3,
+    "greedy+penalties": [P(temperature=0.0), P(temperature=0.0, repetition_penalty=1.5, presence_penalty=0.4)],
+    "sampled": [P(temperature=0.0), P(temperature=0.8), P(temperature=1.3, frequency_penalty=0.3)],
+    "nucleus": [P(temperature=0.0), P(top_p=0.9), P(top_k=20), P(min_p=0.2), P(temperature=2.0, top_p=0.99)],
+    "exact": [P(top_k=300), P(top_k=300, top_p=0.95), P(top_p=0.5), P(temperature=0.0)],
+}
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+@pytest.mark.parametrize("mix", MIXES)
+def test_every_variant_that_covers_a_batch_gives_its_bits(mix, mode):
+    """`paths_for` picks a variant that covers each row (no device branch decides it), and every larger variant, the
+    rows alone or together, gives the same tokens and logprobs bit for bit: rows choose their parts with where."""
+    from pocketjax.engine import sampling
+    from pocketjax.engine.sampling import VARIANTS, covers, paths_for
+
+    params = MIXES[mix]
+    rows = np.stack([WIDE if i % 2 else PEAKED for i in range(len(params))]) * np.float32(3.0)
+    prompt = np.zeros(rows.shape, bool)
+    prompt[:, :5] = True
+    counts = np.zeros(rows.shape, np.int32)
+    counts[:, 3:9] = 2
+    picked = paths_for(pack_sampling(params, list(range(len(params)))), V)
+    assert picked == getattr(sampling, {"greedy+penalties": "sampled"}.get(mix, mix).upper())
+    want = jax.device_get(batch(rows, params, list(range(len(params))), prompt=prompt, counts=counts,
+                                logprobs_mode=mode, num_top=3, paths=VARIANTS[-1]))
+    for variant in [v for v in VARIANTS if covers(v, picked)]:
+        got = jax.device_get(batch(rows, params, list(range(len(params))), prompt=prompt, counts=counts,
+                                   logprobs_mode=mode, num_top=3, paths=variant))
+        assert jax.tree.all(jax.tree.map(np.array_equal, got, want)), variant
+    for i, p in enumerate(params):  # each row alone, in the smallest variant that covers it
+        alone = pack_sampling([p], [i])
+        got = jax.device_get(batch(rows[i:i + 1], [p], [i], steps=[i], prompt=prompt[i:i + 1],
+                                   counts=counts[i:i + 1], logprobs_mode=mode, num_top=3, paths=paths_for(alone, V)))
+        assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(a, b[i:i + 1]), got, want)), i

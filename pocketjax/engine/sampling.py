@@ -110,8 +110,8 @@ SAMPLED = Paths(True, False, False, False)
 FILTERED = Paths(True, True, False, False)
 NUCLEUS = Paths(True, True, True, False)
 EXACT = Paths(True, True, True, True)
-VARIANTS = (GREEDY, SAMPLED, FILTERED, NUCLEUS, EXACT)  # each holds the parts of those before it
-WARM_VARIANTS = VARIANTS[:4]  # compiled by warm-up; EXACT (top_k > NUM_CANDIDATES) compiles on first use
+VARIANTS = (GREEDY, SAMPLED, FILTERED, NUCLEUS, EXACT)  # each holds the parts of those before it (plan.py: which
+# of them each step kind compiles)
 
 
 def covers(variant: Paths, need: Paths) -> bool:
