@@ -35,7 +35,7 @@ def engine(hf_checkpoint):
 def test_no_decode_path_program_decides_a_branch_on_the_device(engine):
     """Every signature warm-up compiles (prompt logprobs, structured outputs, speculation, steering and hidden
     states included), and every sampler in the variants compiled on first use (EXACT, penalized verification)."""
-    calls = signatures(engine.rules, prompt_logprobs=True, structured=True, steering=True, return_hidden=True)
+    calls = signatures(engine.rules, prompt_logprobs=True, steering=True, return_hidden=True)
     assert {c.step for c in calls} >= {"prefill", "prefill_scored", "decode", *SAMPLERS[1:], "verify"}
     calls += [c._replace(paths=EXACT) for c in calls if c.step in SAMPLERS and not c.steered and not c.captured]
     calls += [c._replace(penalized=True) for c in calls if c.step == "sample_verify"]
@@ -45,7 +45,7 @@ def test_no_decode_path_program_decides_a_branch_on_the_device(engine):
 
 def test_warm_up_compiles_a_handful_of_sampler_variants(engine):
     """The variants stay few: at most four sampler programs per step kind and row count (`plan.WARM`)."""
-    calls = signatures(engine.rules, structured=True)
+    calls = signatures(engine.rules)
     for step in SAMPLERS[1:]:
         assert 0 < len([c for c in calls if c.step == step]) <= max(len(DECODE_CHAIN), len(SPARSE_CHAIN))
     assert not [c for c in calls if c.step == "sample_first"]  # structured: every first token takes the masked one

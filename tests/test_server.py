@@ -443,7 +443,7 @@ def test_readiness_reports_the_engines_warmup_call_by_call(llm, monkeypatch):
         llm.engine.warmup(progress=False, progress_callback=record)
 
     readiness.start(warm).join(60)
-    total = len(signatures(llm.engine.rules, structured=True)) + 2  # the first forward and sampler calls run twice
+    total = len(signatures(llm.engine.rules)) + 2  # the first forward and sampler calls run twice
     reports = [entry for entry in seen if entry[0] != "ran"]
     assert [(d, t) for d, t, _ in reports] == [(d, total) for d in range(1, total + 1)]
     assert [entry[0] for entry in seen] == ["ran", 1] + [x for d in range(2, total + 1) for x in ("ran", d)]

@@ -483,7 +483,7 @@ class Engine(SpeculativeSteps):
         `SamplingParams.steer` (one program per shape, whatever the vectors), `return_hidden` those of requests with
         `SamplingParams.return_hidden` (one per shape, whatever the layers). Slots, their cached tokens and the slot
         state are unchanged. `progress_callback(done, total)` after each call (a server reports it on /health)."""
-        new = self.device.warmup(self.rules, progress, prompt_logprobs, self.constrainer is not None, steering,
+        new = self.device.warmup(self.rules, progress, prompt_logprobs, steering,
                                  return_hidden, progress_callback)
         if self.constrainer is not None:  # llguidance's view of the vocabulary, built once
             self.constrainer.prepare()

@@ -425,13 +425,13 @@ class Signature(NamedTuple):
     steps: int = 1  # decode_sample: decode + sample steps in the program (`DecodePlan.steps`)
 
 
-def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool = False, steering: bool = False,
+def signatures(rules: StepRules, prompt_logprobs: bool = False, steering: bool = False,
                return_hidden: bool = False) -> list[Signature]:
     """Every step signature an engine with these rules can call; each sampler follows a forward step over its rows,
     each device-fed decode a sampler. `prompt_logprobs` adds the prefill variant that scores prompt tokens (one per
-    prefill shape: as many compiles again as the plain prefill, which is why it is opt-in); `structured` the
-    samplers with token masks and the forward pass their steps run alone (an engine that can serve structured outputs:
-    it has a tokenizer). Each sampler comes in the variants of `WARM` (`sampling.Paths`; the others compile on first
+    prefill shape: as many compiles again as the plain prefill, which is why it is opt-in); `rules.structured` (an
+    engine that can serve structured outputs: it has a tokenizer) the samplers with token masks and the forward pass
+    their steps run alone. Each sampler comes in the variants of `WARM` (`sampling.Paths`; the others compile on first
     use); a decode step is its forward pass and sampler in one program (`decode_sample`)."""
     if rules.max_seq_len < 2:  # no prompt fits: nothing ever runs
         return []
@@ -451,7 +451,7 @@ def signatures(rules: StepRules, prompt_logprobs: bool = False, structured: bool
         calls += [Signature(first, r, num_top=t, paths=p) for p, t in WARM[SPARSE_CHAIN]]
         calls += [Signature("decode_sample", r, kv_len=k, num_top=t, paths=p, steps=n) for k in kv_lens
                   for p, t in WARM[DECODE_CHAIN] for n in sorted({1, rules.decode_steps})]
-        if structured:  # a step whose masks wait for the tokens in flight: its forward pass, then its sampler
+        if rules.structured:  # a step whose masks wait for the tokens in flight: its forward pass, then its sampler
             calls += [Signature("decode", r, kv_len=k) for k in kv_lens]
             calls += [Signature("sample_next_masked", r, num_top=t, paths=p) for p, t in WARM[SPARSE_CHAIN]]
         if rules.verify_width:

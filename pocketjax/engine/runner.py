@@ -95,10 +95,10 @@ class Device:
 
     @refuse_deleted_params  # a training step that donated the params: a ConfigError naming update_params
     def run(self, name: str, *args: Any) -> Any:
-        """Step `name` (a `plan.Signature` step) on this device's buffers: a plan (a sampler: logits, plan; a fused step:
-        its two plans; copy_prefix: src, dst, length); the buffers it donates are replaced by the step's results, the
-        rest is returned (one value, a tuple of several, or None). Once warm, a call that compiles says so in a log
-        line (a rare variant, or a shape warm-up did not cover)."""
+        """Step `name` (a `plan.Signature` step) on this device's buffers: a plan (a sampler: logits, plan; a fused
+        step: its two plans; copy_prefix: src, dst, length); the buffers it donates are replaced by the step's results,
+        the rest is returned (one value, a tuple of several, or None). Once warm, a call that compiles says so in a
+        log line (a rare variant, or a shape warm-up did not cover)."""
         kind = step_kind(name)
         before = compiled_count() if self.warm else None
         if kind.feeds == "copy":
@@ -135,20 +135,20 @@ class Device:
         return kind.function.lower(*lead, *plan_args(kind, plan), config=self.config, impl=self.impl)
 
     def warmup(self, rules: StepRules, progress: bool = True, prompt_logprobs: bool = False,
-               structured: bool = False, steering: bool = False, return_hidden: bool = False,
+               steering: bool = False, return_hidden: bool = False,
                progress_callback: Callable[[int, int], None] | None = None) -> int:
         """Compile every signature of `rules` (`plan.signatures`) with plans that write nothing, so slots, their
         cached prefixes and the slot state are unchanged; returns how many were new (0 once warm).
 
         Afterwards no mix of prompt lengths, batch sizes, sampling options, logprobs or prefix reuse compiles again.
         Requests with `prompt_logprobs` compile their prefill variant on first use unless `prompt_logprobs=True`
-        compiles it here too; `structured` compiles the masked samplers (structured outputs) as well; `steering` the
+        compiles it here too; `rules.structured` the masked samplers (structured outputs) as well; `steering` the
         forward steps with steering vectors, `return_hidden` the prefill and decode steps that return the stream.
         `progress_callback(done, total)` after each call (a server's /health reports it while warming up).
         """
         before = compiled_count()
         logits: dict[tuple[str, int], Any] = {}  # (kind of logits, rows) -> the latest forward step's
-        calls = signatures(rules, prompt_logprobs, structured, steering, return_hidden)
+        calls = signatures(rules, prompt_logprobs, steering, return_hidden)
         if calls:  # the first forward and sampler calls see the cache and slot state as allocated, and a step may
             # return them in another form (on a mesh, the state comes back replicated over it): run both again
             calls += [calls[0], next(c for c in calls if c.step.startswith("sample_first"))]
