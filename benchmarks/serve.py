@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import jax
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import pocketjax as pj  # noqa: E402
 from benchmarks.common import (DEFAULT_CACHE_DIR, add_options, machine, markdown_table, model_folder,  # noqa: E402
-                               write_json)
+                               parse_ints, write_json)
 from pocketjax.engine.config import EngineConfig  # noqa: E402
 from pocketjax.engine.engine import Engine  # noqa: E402
 from pocketjax.engine.request import RequestStatus  # noqa: E402
@@ -115,28 +115,35 @@ def summarize(system: str, traces: list[Trace], extra: dict | None = None) -> di
 # ---- pocketjax ----------------------------------------------------------------------------------------------
 class LoopClock:
     """Wraps a scheduler's step (on the instance) to time the loop: the wall time between consecutive step ends,
-    kept for the steps that began with `n` requests all decoding (each such step hands every one a token)."""
+    kept for the steps that began with `n` requests all decoding, and the tokens each such step handed them (n, or
+    up to n * decode_steps)."""
 
     def __init__(self, sched: Scheduler, n: int):
         self.intervals: list[float] = []
+        self.tokens: list[int] = []
         self.last: float | None = None
+        self._rows = n
         step = sched.step
 
         def timed() -> bool:
-            full = len(sched.running) == n and all(h.request.status is RequestStatus.DECODING
-                                                   for h in sched.running)
+            running = list(sched.running)
+            full = len(running) == n and all(h.request.status is RequestStatus.DECODING for h in running)
+            before = sum(len(h.request.generated_tokens) for h in running)
             try:
                 return step()
             finally:
                 now = time.perf_counter()
                 if full and self.last is not None:
                     self.intervals.append(now - self.last)
+                    self.tokens.append(sum(len(h.request.generated_tokens) for h in running) - before)
                 self.last = now
 
         sched.step = timed
 
     def step_s(self) -> float:
-        return float(np.mean(self.intervals)) if self.intervals else float("nan")
+        """Wall seconds per token of every row (a step's time when each step hands every row one token)."""
+        n = len(self.tokens) and sum(self.tokens) / len(self.tokens) / max(1, self._rows)
+        return float(np.sum(self.intervals) / (n * len(self.intervals))) if self.intervals and n else float("nan")
 
 
 def device_step_s(scratch: Engine, positions: list[int], steps: int) -> float:
@@ -149,16 +156,19 @@ def device_step_s(scratch: Engine, positions: list[int], steps: int) -> float:
     device = scratch.device
     device.state = device.state.advance(jnp.arange(n), zeros + 1, jnp.asarray(positions, jnp.int32), zeros)
 
-    def step(k: int):  # the plan the engine builds for these rows, k positions on
-        plan, sample = decode_at(scratch.rules, [p + k for p in positions])
-        return device.run("sample_next", device.run("decode", plan)[0], sample).tokens
+    n_steps = scratch.config.decode_steps  # tokens per dispatch, as the loop runs them with nothing waiting
+
+    def step(k: int):  # the plan the engine builds for these rows, k positions on: one program per dispatch
+        plan, sample = decode_at(scratch.rules, [p + k * n_steps for p in positions], n_steps)
+        return device.run("decode_sample", plan, sample)[0].tokens
 
     jax.block_until_ready(step(0)), jax.block_until_ready(step(1))  # warm
+    dispatches = max(1, steps // n_steps)
     t0 = time.perf_counter()
-    for k in range(2, 2 + steps):
+    for k in range(2, 2 + dispatches):
         tokens = step(k)
     jax.block_until_ready(tokens)
-    return (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / (dispatches * n_steps)  # per token of every row
 
 
 async def stream(sched: Scheduler, items: list[Item]) -> list[Trace]:
@@ -200,6 +210,7 @@ def run_pocketjax(model, items: list[Item], config: EngineConfig, concurrent_tok
     run paired with a device-only run just before it, so load from other processes hits both alike; `repeats` pairs
     per variant, interleaved. Each record keeps the median W, D and host share over its pairs."""
     engine = Engine(model, config=config)
+    steps = f" N={config.decode_steps}" if config.decode_steps > 1 else ""  # decode steps per dispatch
     records = []
     if with_stream:
         warm(Scheduler(engine))
@@ -207,7 +218,7 @@ def run_pocketjax(model, items: list[Item], config: EngineConfig, concurrent_tok
             asyncio.run(stream(sched, items))  # a full unmeasured pass: any shape the sweep missed compiles here
             compiled = engine.compiled_count()
             traces = asyncio.run(stream(sched, items))
-        records.append(summarize("pocketjax", traces, {"recompiled": engine.compiled_count() - compiled}))
+        records.append(summarize(f"pocketjax{steps}", traces, {"recompiled": engine.compiled_count() - compiled}))
     prompts = [item.prompt for item in items[:config.max_batch_size]]
     closed = [Item(0.0, prompt, concurrent_tokens) for prompt in prompts]
     scratch = Engine(model, config=config)
@@ -222,7 +233,7 @@ def run_pocketjax(model, items: list[Item], config: EngineConfig, concurrent_tok
     for pipeline, runs in pairs.items():
         shares = [(step_s - device_s) / step_s for device_s, step_s, _, _ in runs]
         _, _, full_steps, traces = sorted(runs, key=lambda run: run[1])[len(runs) // 2]
-        name = f"pocketjax x{len(prompts)} {'pipelined' if pipeline else 'unpipelined'}"
+        name = f"pocketjax{steps} x{len(prompts)} {'pipelined' if pipeline else 'unpipelined'}"
         step_s, device_s = float(np.median([r[1] for r in runs])), float(np.median([r[0] for r in runs]))
         records.append(summarize(name, traces, {
             "decode_tok_s": round(len(prompts) / step_s, 1), "step_ms": round(1e3 * step_s, 3),
@@ -318,6 +329,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=8, help="engine slots = transformers batch = host-share concurrency")
     parser.add_argument("--repeats", type=int, help="host-share runs per variant, interleaved (default 3, quick 5)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--decode-steps", default="1", help="comma list of EngineConfig.decode_steps, each run in turn")
     parser.add_argument("--peers", default="transformers", help="comma list; empty to skip transformers")
     parser.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (0: torch's default)")
     parser.add_argument("--json", help="write the records here")
@@ -331,7 +343,8 @@ def main() -> None:
         folder = model_folder(args.model, args.cache_dir) if args.model else build_checkpoint(Path(tmp), size)
         model = pj.load_model(folder)
         items = workload(n, rate, prompts, outputs, model.config.vocab_size, args.seed)
-        records = run_pocketjax(model, items, config, outputs[1], not args.no_stream, repeats)
+        records = [r for n in parse_ints(args.decode_steps) for r in run_pocketjax(
+            model, items, replace(config, decode_steps=n), outputs[1], not args.no_stream, repeats)]
         if "transformers" in args.peers.split(",") and not args.no_stream:
             records.append(run_transformers(folder, items, args.slots, args.torch_threads))
 

@@ -395,12 +395,13 @@ def verify_plans(rules: StepRules, running: Sequence[BatchedRequest], drafts: Se
                                           penalized=penalizes(sampling))
 
 
-def decode_at(rules: StepRules, positions: Sequence[int]) -> tuple[DecodePlan, SamplePlan]:
-    """The greedy decode step the engine would run for requests in slots 0..n-1 whose next tokens go at `positions`:
-    what benchmarks time on a scratch engine (its slots' state says where each row is)."""
+def decode_at(rules: StepRules, positions: Sequence[int], steps: int = 1) -> tuple[DecodePlan, SamplePlan]:
+    """The greedy decode step (`steps` of them in one program, no row stopping) the engine would run for requests in
+    slots 0..n-1 whose next tokens go at `positions`: what benchmarks time on a scratch engine (its slots' state says
+    where each row is)."""
     stand_ins = [BatchedRequest(i, [0], SamplingParams(temperature=0.0), slot_id=i, seed=0)
                  for i in range(len(positions))]
-    _, plan, sample = decode_plans(rules, stand_ins, lambda r: positions[r.slot_id])
+    _, plan, sample = decode_plans(rules, stand_ins, lambda r: positions[r.slot_id], steps, lambda r: ((), steps))
     return plan, sample
 
 
