@@ -7,9 +7,10 @@ passes and `sampling.sample` for each token, in the engine's forms (`resolve_imp
 is batch invariant (a request's bits do not depend on its batch, chunking or kv length), so these shapes give the
 engine's tokens and logprobs bit for bit for the same seeds (tests/test_generate.py).
 
-The decode loop is a `lax.scan` of static length `max_new_tokens - 1` (a known trip count): rows that stop (an EOS
-or stop token, or their `max_tokens`) become inactive rows, which write nothing to the cache; their outputs are
-padding. A pure function cannot draw seeds on the host, so a sampled row needs one: `SamplingParams.seed`, or
+The loop is a `lax.scan` of static length `max_new_tokens` (a known trip count), each step a sample then a decode:
+rows that stop (an EOS or stop token, or their `max_tokens`) become inactive rows, which write nothing to the cache;
+their outputs are padding. The sampler's parts (`sampling.Paths`) are chosen on the host from the rows' parameters,
+so no branch is decided on the device. A pure function cannot draw seeds on the host, so a sampled row needs one: `SamplingParams.seed`, or
 `seeds=` (a traced uint32 [B] array is fine: `jax.random.bits(key, (B,), jnp.uint32)`).
 """
 from __future__ import annotations
