@@ -11,8 +11,7 @@ The loop is a `lax.scan` of static length `max_new_tokens` (a known trip count),
 rows that stop (an EOS or stop token, or their `max_tokens`) become inactive rows, which write nothing to the cache;
 their outputs are padding. The sampler's parts (`sampling.Paths`) are chosen on the host from the rows' parameters,
 so no branch is decided on the device. A pure function cannot draw seeds on the host, so a sampled row needs
-one: `SamplingParams.seed`, or
-`seeds=` (a traced uint32 [B] array is fine: `jax.random.bits(key, (B,), jnp.uint32)`).
+one: `SamplingParams.seed`, or `seeds=` (a traced uint32 [B] array is fine: `jax.random.bits(key, (B,), jnp.uint32)`).
 """
 from __future__ import annotations
 
