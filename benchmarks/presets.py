@@ -25,6 +25,16 @@ PRESETS = {
     "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                        tie_word_embeddings=True),
+    # Qwen2.5-32B's shapes (the seed's workload, benchmarks/device_check_decode.py seed: random weights made on the
+    # device, never written) and a micro Qwen2 (biases on q/k/v, no q/k norms) for its dry run on CPU
+    "qwen2.5-32b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True,
+                        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                        num_attention_heads=40, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+                        tie_word_embeddings=False),
+    "qwen2.5-micro": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", attention_bias=True,
+                          vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+                          tie_word_embeddings=False),
 }
 
 
