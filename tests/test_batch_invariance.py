@@ -205,24 +205,6 @@ def test_a_fresh_process_gives_the_same_bits(checkpoints):
     assert [(lp, [tuple(t) for t in top]) for lp, top in fresh_logprobs] == logprobs
 
 
-def test_the_trainer_sees_the_samplers_logprobs(checkpoints):
-    """pj.logits over a generated sequence gives the engine's sampled logprobs bit for bit (on-policy RL: the
-    trainer's log-probabilities are the sampler's). The engine's logprobs are log_softmax of the raw logits."""
-    import jax
-    import jax.numpy as jnp
-    from pocketjax.model.numerics import fixed_logsumexp
-
-    model = pj.load_model(checkpoints["float32"])
-    prompt = [int(t) for t in np.random.default_rng(8).integers(0, model.config.vocab_size, 19)]
-    params = SamplingParams(max_tokens=8, temperature=0.9, seed=2, ignore_eos=True, logprobs=1)
-    (req,) = run(Engine(model, prefill_chunk=8, **SIZES), [prompt], [params], False)
-    sequence = jnp.asarray([prompt + req.generated_tokens])
-    logits = pj.logits(model, sequence)[0, len(prompt) - 1:-1]
-    scored = jax.jit(lambda x, t: jnp.take_along_axis(x, t[:, None], 1)[:, 0] - fixed_logsumexp(x))(
-        logits, jnp.asarray(req.generated_tokens))
-    assert [float(x) for x in scored] == [lp for lp, _ in req.logprobs]
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_opaque_is_the_identity_bit_for_bit_and_keeps_nans(dtype):
     """numerics.opaque returns every non-NaN value's bits unchanged (zeros, subnormals, the largest values,

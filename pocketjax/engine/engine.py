@@ -131,7 +131,7 @@ class Engine(SpeculativeSteps):
         c, mesh = self.model.config, self.model.mesh
         device = self.device
         device.cache = device.state = None  # drop the old cache before allocating the new one
-        kv_dtype = self.config.kv_dtype or default_kv_dtype(self.model.dtype)
+        kv_dtype = self.kv_dtype
         shape = (c.num_layers, n, c.num_kv_heads, self.config.max_seq_len, c.head_dim, kv_dtype)
         plan = plan_memory(c, tp=mesh_tp(mesh) if mesh is not None else 1, dtype=jnp.dtype(self.model.dtype).name,
                            kv_dtype=kv_dtype, slots=n, max_seq_len=self.config.max_seq_len)
