@@ -191,8 +191,9 @@ def test_warmup_covers_the_scored_prefill_when_asked(model):
     engine = pj.Engine(model, **options)
     plain, scored = signatures(engine.rules), signatures(engine.rules, prompt_logprobs=True)
     prefill = [c for c in plain if c.step == "prefill"]
-    assert [c for c in scored if c.step == "prefill_scored"] == [c._replace(step="prefill_scored") for c in prefill]
-    assert set(scored) - set(plain) == {c._replace(step="prefill_scored") for c in prefill}
+    want = [c._replace(step="prefill_scored", scored=n) for c in prefill for n in sorted({1, c.rows})]  # scored_rows
+    assert [c for c in scored if c.step == "prefill_scored"] == want
+    assert set(scored) - set(plain) == set(want)
     engine.warmup(progress=False, prompt_logprobs=True)
     compiled = engine.compiled_count()
     prompts = random_prompts(7, (5, 12, 15), model.config.vocab_size)
