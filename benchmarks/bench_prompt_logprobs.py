@@ -39,7 +39,7 @@ def time_variant(engine: Engine, num_top: int | None, c: int, length: int, repea
     slots, zeros = np.arange(c, dtype=np.int32), np.zeros(c, np.int32)
     lengths = np.full(c, length, np.int32)
     targets = np.concatenate([tokens[:, 1:], zeros[:, None]], axis=1)
-    scored = dict(targets=targets, scored=np.ones(c, bool), num_top=num_top) if num_top is not None else {}
+    scored = dict(targets=targets, scored=slots, num_top=num_top) if num_top is not None else {}  # every row
     plan = PrefillPlan(tokens, slots, zeros, lengths, kv_len=engine.rules.kv_len(length), **scored)
     times = []
     for i in range(repeats + 1):
