@@ -117,16 +117,19 @@ class FakeLLM:
                                           (["serve", "--warmup"], True), (["generate", "x"], False),
                                           (["generate", "x", "--warmup"], True)])
 def test_serve_warms_up_by_default(monkeypatch, argv, warmup):
-    """`pocketjax serve` builds its LLM with warmup=True (compiled before uvicorn listens) unless --no-warmup;
-    generate and chat only with --warmup. The connection bound defaults to the fd limit's."""
+    """`pocketjax serve` warms up unless --no-warmup, beside the listening server (issue 67: the LLM is built
+    without it and `serve` runs it while /health says "warming"); generate and chat only with --warmup, in the
+    LLM. The connection bound defaults to the fd limit's."""
     seen = {}
     monkeypatch.setattr("pocketjax.serve.llm.LLM", FakeLLM)
     monkeypatch.setattr(server_module, "serve", lambda llm, host, port, **kw: seen.update(kw))
     monkeypatch.setattr(cli, "cmd_generate", lambda args: cli.make_llm(args) and 0)
     FakeLLM.made.clear()
     assert cli.main(argv) == 0
-    assert FakeLLM.made[0]["warmup"] is warmup
-    if argv[0] == "serve":
+    serving = argv[0] == "serve"
+    assert FakeLLM.made[0]["warmup"] is (warmup and not serving)
+    assert seen.get("warmup", False) is (warmup and serving)
+    if serving:
         assert seen["limits"].max_connections is None
         assert seen["limits"].connections() == default_max_connections()
 

@@ -367,6 +367,7 @@ def test_a_warming_server_listens_reports_progress_and_refuses_generation(llm):
         progress(3, 3)
 
     readiness = Readiness()
+    started = llm.started  # (the module's LLM may have served earlier tests)
     with BackgroundServer(create_app(llm, readiness=readiness)) as server:
         readiness.start(warm)
         assert wait_until(lambda: readiness.done == 1)
@@ -388,7 +389,7 @@ def test_a_warming_server_listens_reports_progress_and_refuses_generation(llm):
             assert (error.get("type") == "error") == (path == "/v1/messages"), path  # Anthropic's shape there
         assert get(server.url + "/v1/models")[0] == 200  # no engine step: served while warming
         assert post(server.url + "/tokenize", json.dumps({"model": NAME, "prompt": "def f"}).encode())[0] == 200
-        assert not llm.started  # nothing drove the engine beside the warm-up
+        assert llm.started is started  # nothing started the engine's loop beside the warm-up
         release.set()
         assert wait_until(lambda: get(server.url + "/health")[0] == 200)
         assert json.loads(get(server.url + "/health")[2])["status"] == "ok"
