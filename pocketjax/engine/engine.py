@@ -343,9 +343,10 @@ class Engine(SpeculativeSteps):
         """Whether a step of several decode steps can run these requests with no host between its steps: no token
         masks (structured outputs, logit_bias, bans, min_tokens), no returned hidden states, stop ids that fit the
         plan (`plan.STOP_WIDTH`), and some request with more than one token left to generate."""
-        return (all(r.matcher is None and r.limits is None and not r.sampling.return_hidden
-                    and len(self._stops(r)[0]) <= STOP_WIDTH for r in requests)
-                and max(self._stops(r)[1] for r in requests) > 1)
+        if any(r.matcher is not None or r.limits is not None or r.sampling.return_hidden for r in requests):
+            return False
+        stops = [self._stops(r) for r in requests]  # once per request: this runs on the decode path
+        return all(len(ids) <= STOP_WIDTH for ids, _ in stops) and max(left for _, left in stops) > 1
 
     def _stops(self, req: BatchedRequest) -> tuple[list[int], int]:
         """req's stop ids on the device (its stop_token_ids, and the model's EOS ids unless ignore_eos) and how many
