@@ -8,6 +8,8 @@ from pocketjax.serve.http.api_error import APIError
 from pocketjax.serve.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+# Every schema this server enforces is closed, as tool schemas are (tool_calls.close_schema): written out here.
+CLOSED = {**SCHEMA, "additionalProperties": False}
 MESSAGES = [{"role": "user", "content": "hi"}]
 
 
@@ -25,9 +27,9 @@ def constraint(**fields):
     ({"response_format": {"type": "json_object"}}, pj.Structured(json_object=True), "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True,
                                                                  "description": "an x"}}},
-     pj.Structured(json_schema=SCHEMA), "response_format"),
-    ({"structured_outputs": {"json": SCHEMA}}, pj.Structured(json_schema=SCHEMA), "structured_outputs"),
-    ({"structured_outputs": {"json": '{"type": "object"}'}}, pj.Structured(json_schema='{"type": "object"}'),
+     pj.Structured(json_schema=CLOSED), "response_format"),
+    ({"structured_outputs": {"json": SCHEMA}}, pj.Structured(json_schema=CLOSED), "structured_outputs"),
+    ({"structured_outputs": {"json": '{"type": "object"}'}}, pj.Structured(json_schema={"type": "object"}),
      "structured_outputs"),
     ({"structured_outputs": {"regex": "[a-z]+"}}, pj.Structured(regex="[a-z]+"), "structured_outputs"),
     ({"structured_outputs": {"choice": ["yes", "no"]}}, pj.Structured(choice=("yes", "no")), "structured_outputs"),
