@@ -22,7 +22,9 @@ from fastapi.routing import APIRoute
 from ...engine.request import Completion
 from .anthropic_requests import CountTokensRequest, MessagesRequest, conversation, tools_of
 from .context import finish_all, merged
+from .openapi import ANSWERED, GENERATION, answers
 from .replies import event_stream, retry_after
+from .response_models import Message, TokenCount
 from .tool_call_parser import Arguments, Event, ToolCall, ToolCallParser
 from .tool_calls import ToolRequest
 
@@ -250,7 +252,7 @@ def messages_router(ctx: ServeContext) -> APIRouter:
 
         return await ctx.off_loop(render), tools
 
-    @router.post("/messages")
+    @router.post("/messages", responses=answers(Message, *GENERATION, stream=True, anthropic=True))
     async def create(body: MessagesRequest, request: Request):
         prompt, tools = await prepare(body)
         structured, _ = ctx.answer_constraint(tools, body.constraint(), "output_config")
@@ -269,7 +271,7 @@ def messages_router(ctx: ServeContext) -> APIRouter:
         return message(message_id, ctx.name, blocks.content, stop_reason(out, stop, blocks.calls), stop,
                        len(prompt), len(out.token_ids))
 
-    @router.post("/messages/count_tokens")
+    @router.post("/messages/count_tokens", responses=answers(TokenCount, *ANSWERED, anthropic=True))
     async def count_tokens(body: CountTokensRequest) -> dict[str, int]:
         prompt, _ = await prepare(body)
         return {"input_tokens": len(prompt)}

@@ -19,8 +19,10 @@ from ...errors import CheckpointError
 from .api_error import APIError
 from .context import ServeContext, finish_all, merged
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs, trimmed
+from .openapi import GENERATION, answers
 from .openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, with_seed
 from .replies import Reply, sse_response
+from .response_models import ChatCompletion, Completion as CompletionBody
 from .tool_calls import ToolRequest, answer_format
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ def completions_router(ctx: ServeContext) -> APIRouter:
         ctx.check_model(body.model)
         body.check_supported()
 
-    @router.post("/completions")
+    @router.post("/completions", responses=answers(CompletionBody, *GENERATION, stream=True))
     async def completions(body: CompletionRequest, request: Request):
         check(body)
         prompts = prompt_list(body.prompt)
@@ -102,7 +104,7 @@ def completions_router(ctx: ServeContext) -> APIRouter:
                                                                  body.prompt_logprobs)
         return reply.body(choices, 0 if score_only else reply.completion_tokens())
 
-    @router.post("/chat/completions")
+    @router.post("/chat/completions", responses=answers(ChatCompletion, *GENERATION, stream=True))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check(body)
         if (body.n or 1) > limits.max_choices:

@@ -232,11 +232,14 @@ class SchedulerGauges:
 def metrics_router(metrics: RequestMetrics) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/metrics")
+    prometheus = {200: {"description": "Prometheus' text format (vLLM's series)",
+                        "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}}
+
+    @router.get("/metrics", response_class=Response, responses=prometheus)
     async def scrape() -> Response:
         return Response(metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
 
-    @router.head("/metrics")
+    @router.head("/metrics", response_class=Response, responses=prometheus)
     async def probe() -> Response:
         """200 and no body (a probe that asks whether the endpoint is up, without the cost of a scrape)."""
         return Response(media_type=CONTENT_TYPE_LATEST)

@@ -157,7 +157,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
-        return ErrorResponse(error_body(str(error.detail), kind), status_code=error.status_code)
+        # its headers too: a 405 says which methods the route allows (Allow, RFC 9110)
+        return ErrorResponse(error_body(str(error.detail), kind), status_code=error.status_code,
+                             headers=getattr(error, "headers", None))
 
     @app.exception_handler(Exception)
     async def crash(request: Request, error: Exception) -> JSONResponse:

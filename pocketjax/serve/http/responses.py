@@ -32,8 +32,10 @@ from ...errors import PocketJaxError
 from .api_error import APIError
 from .constraints import TextFormat
 from .context import finish_all, merged
+from .openapi import GENERATION, answers
 from .openai_protocol import HarmlessFields, SamplingFields, with_seed
 from .replies import event_stream
+from .response_models import Response
 from .tool_call_parser import Arguments, ToolCall, ToolCallParser
 from .tool_calls import ToolRequest, answer_format, template_messages, tool_request
 
@@ -193,7 +195,7 @@ def responses_router(ctx: ServeContext) -> APIRouter:
     host pool, submit with its limits and metrics)."""
     router = APIRouter()
 
-    @router.post("/responses")
+    @router.post("/responses", responses=answers(Response, *GENERATION, stream=True))
     async def create(body: ResponsesRequest, request: Request):
         ctx.check_model(body.model)
         body.check_supported()

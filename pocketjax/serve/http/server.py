@@ -24,7 +24,9 @@ from .completions import completions_router
 from .context import ServeContext
 from .http_guard import HTTP_PROTOCOL, HTTPGuard, ServerLimits
 from .metrics import HTTPCounter, RequestMetrics, metrics_router
+from .openapi import answers, get_and_head, install_openapi
 from .readiness import Readiness, WarmupGate
+from .response_models import Health, ModelCard, ModelList, Warming
 from .replies import install_error_handlers
 from .responses import responses_router
 from .tokenization import tokenization_router
@@ -61,6 +63,8 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     readiness = Readiness() if readiness is None else readiness
     app = FastAPI(title="pocketjax", version="0.1.0")
     install_error_handlers(app)
+    install_openapi(app, model_name=name, max_seq_len=llm.engine.max_seq_len, max_choices=limits.max_choices,
+                    api_key=api_key is not None)
     shapes = {"/v1/messages": anthropic_error}
     app.add_middleware(WarmupGate, readiness=readiness, error_shapes=shapes)  # inside the guard: the key comes first
     app.add_middleware(HTTPGuard, api_key=api_key, limits=limits, error_shapes=shapes)
@@ -73,7 +77,9 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
         # event loop free through that, so it is built now, before the first request, warm-up or not
         llm.engine.constrainer.prepare()
 
-    @app.get("/health")
+    @get_and_head(app, "/health", responses={
+        **answers(Health, description="Ready: the queue."),
+        503: {"model": Warming, "description": "Not ready: warming up (with its progress) or failed."}})
     async def health() -> Any:
         """200 and the queue once ready; 503 and the warm-up's progress before (readiness probes wait on it)."""
         if not readiness.ready:
@@ -101,11 +107,11 @@ def models_router(ctx: ServeContext) -> APIRouter:
         return {"id": ctx.name, "object": "model", "created": ctx.created, "owned_by": "pocketjax",
                 "max_model_len": ctx.llm.engine.max_seq_len}
 
-    @router.get("/models")
+    @get_and_head(router, "/models", responses=answers(ModelList, 400))
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card()]}
 
-    @router.get("/models/{model:path}")
+    @get_and_head(router, "/models/{model:path}", responses=answers(ModelCard, 400, 404))
     async def model(model: str) -> dict[str, Any]:
         """One model's card (`client.models.retrieve`); a name this server does not serve is a 404."""
         ctx.check_model(model)

@@ -13,7 +13,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
 
 from .api_error import APIError
+from .openapi import ANSWERED, answers, get_and_head
 from .openai_protocol import chat_messages, template_options
+from .response_models import Text, Tokens
 
 if TYPE_CHECKING:
     from ..llm import LLM
@@ -49,7 +51,7 @@ def tokenization_router(ctx: ServeContext) -> APIRouter:
     tokenizer = llm.tokenizer
     router = APIRouter()
 
-    @router.post("/tokenize")
+    @router.post("/tokenize", responses=answers(Tokens, *ANSWERED))
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -81,7 +83,7 @@ def tokenization_router(ctx: ServeContext) -> APIRouter:
             out["token_strs"] = [tokenizer.backend.id_to_token(i) for i in ids]
         return out
 
-    @router.post("/detokenize")
+    @router.post("/detokenize", responses=answers(Text, *ANSWERED))
     async def detokenize(body: DetokenizeRequest) -> dict[str, str]:
         ctx.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < tokenizer.vocab_size]
@@ -90,7 +92,8 @@ def tokenization_router(ctx: ServeContext) -> APIRouter:
                            param="tokens")
         return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
-    @router.get("/tokenizer_info")
+    @get_and_head(router, "/tokenizer_info", responses=answers(
+        None, 400, description="tokenizer_config.json as vLLM serves it (special tokens as text, the chat template)."))
     async def tokenizer_info() -> dict[str, Any]:
         return tokenizer_config(llm)
 
