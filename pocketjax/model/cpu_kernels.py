@@ -1,7 +1,8 @@
 """pocketjax's optional native CPU kernels behind `jax.ffi`, compiled at first use with the system C++ compiler:
 the product of every float weight (`skinny_matmul`, csrc/skinny_matmul.cc), of int8 / int4 weights
-(`quantized_matmul`, same file: int8 dequantized in registers, int4 an integer product) and attention over the slotted
-cache
+(`quantized_matmul`, same file: int8 dequantized in registers, int4 an integer product), of a mixture-of-experts
+layer's (token, expert) pairs against its stacked experts in place (`expert_matmul`, `expert_quantized_matmul`, same
+file: each pair the product of its row alone) and attention over the slotted cache
 (`attention`, csrc/attention.cc).
 
 Why native code in a pure-JAX library: (1) batch invariance (issue 43): XLA:CPU chooses its dot and reduction
@@ -59,6 +60,8 @@ FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-Wno-psabi", "-ffp-contract=o
 TARGET = "pocketjax_skinny_matmul"
 QUANTIZED_TARGET = "pocketjax_quantized_matmul"
 ATTENTION_TARGET = "pocketjax_attention"
+EXPERT_TARGET = "pocketjax_expert_matmul"
+EXPERT_QUANTIZED_TARGET = "pocketjax_expert_quantized_matmul"
 LIBRARY = "pocketjax_cpu_kernels"
 BLOCK_ROWS = 8  # rows register-blocked in one pass over the weight (more rows: one pass per 8)
 ISAS = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512bf16": 4}  # the kernel's `isa` (csrc: ResolveIsa)
@@ -236,6 +239,9 @@ def _library() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(lib.PocketjaxQuantizedMatmul),
                                     platform="cpu")
         jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(lib.PocketjaxAttention), platform="cpu")
+        jax.ffi.register_ffi_target(EXPERT_TARGET, jax.ffi.pycapsule(lib.PocketjaxExpertMatmul), platform="cpu")
+        jax.ffi.register_ffi_target(EXPERT_QUANTIZED_TARGET, jax.ffi.pycapsule(lib.PocketjaxExpertQuantizedMatmul),
+                                    platform="cpu")
     except (OSError, AttributeError, ValueError, RuntimeError, ConfigError) as e:
         log.warning("pocketjax cpu kernels: cannot load %s (%s); XLA's forms (not batch-invariant)", path, e)
         return None
@@ -402,3 +408,87 @@ def _attention_jvp(sm_scale, primals, tangents):
     float_tangents = [t for i, t in enumerate(tangents) if i not in (3, 4, 5)]
     _, tangent = jax.jvp(ref, (q, k, v, k_scale, v_scale), tuple(float_tangents))
     return _attention(*primals, sm_scale), tangent
+
+
+
+def expert_matmul(x: jax.Array, w: jax.Array, ids: jax.Array, isa: str = "auto", streams: bool = True) -> jax.Array:
+    """y [P, out], y[p] = x[p] @ w[ids[p]].T for x [P, in] (float32 or bfloat16), stacked float32 or bfloat16 experts
+    w [E, out, in] and int32 ids [P] in [0, E) (mixture-of-experts pairs: model/moe.py), in x's dtype.
+
+    The experts' weights are read in place, each chosen expert's rows once for all its pairs, the others never; each
+    pair bitwise `skinny_matmul(x[p:p+1], w[ids[p]])`, whatever the other pairs (batch invariance). Differentiable
+    (XLA's products of the gathered experts). Call only where `available()`, on one device; `isa`, `streams`: as
+    `skinny_matmul`."""
+    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[2] or ids.shape != x.shape[:1]:
+        raise ConfigError(f"expert_matmul: x [P, in], w [E, out, in] and ids [P], got {x.shape}, {w.shape}, {ids.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or w.dtype not in (jnp.float32, jnp.bfloat16) or isa not in ISAS:
+        raise ConfigError(f"expert_matmul: x and w float32 or bfloat16, isa one of {tuple(ISAS)}, got {x.dtype}, "
+                          f"{w.dtype}, {isa!r}")
+    if not available():
+        raise ConfigError("expert_matmul: the CPU kernels are not available in this process (see the log)")
+    return _expert_product(x, w, ids.astype(jnp.int32), isa, streams)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _expert_product(x, w, ids, isa, streams):
+    call = jax.ffi.ffi_call(EXPERT_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype),
+                            vmap_method="sequential")
+    return call(x, w, ids, isa=np.int32(ISAS[isa]), streams=streams)
+
+
+@_expert_product.defjvp
+def _expert_product_jvp(isa, streams, primals, tangents):
+    """Bilinear in x and w: XLA's products with each pair's expert gathered."""
+    x, w, ids = primals
+    dx, dw, _ = tangents
+
+    def product(a, b):
+        return jnp.einsum("pk,pnk->pn", a.astype(jnp.float32), jnp.take(b, ids, axis=0).astype(jnp.float32))
+
+    return _expert_product(x, w, ids, isa, streams), (product(dx, w) + product(x, dw)).astype(x.dtype)
+
+
+def expert_quantized_applies(w: QuantizedWeight) -> bool:
+    """Whether `expert_quantized_matmul` takes `w`: stacked experts [E, out, in] in quant.py's int8 / int4 form,
+    untiled, groups of 8k (int8) or 32k (int4) columns, no permutation."""
+    values = {8: jnp.int8, 4: jnp.uint8}.get(w.bits)
+    return (values is not None and w.values.ndim == 3 and w.values.dtype == values and w.scale.ndim == 3
+            and not w.tiled and w.perm is None and w.group_size % (32 if w.bits == 4 else 8) == 0
+            and w.group_size * w.scale.shape[-1] == w.shape[-1])
+
+
+def expert_quantized_matmul(x: jax.Array, w: QuantizedWeight, ids: jax.Array, isa: str = "auto",
+                            streams: bool = True) -> jax.Array:
+    """`expert_matmul` for quantized experts (`expert_quantized_applies`): each pair bitwise
+    `quantized_matmul(x[p:p+1], expert ids[p])`, the experts read in place. Differentiable in x (XLA's product with
+    the gathered experts dequantized). Call only where `available()`, on one device."""
+    if x.ndim != 2 or not expert_quantized_applies(w) or x.shape[1] != w.shape[-1] or ids.shape != x.shape[:1]:
+        raise ConfigError(f"expert_quantized_matmul: x [P, in], stacked int8 / int4 experts [E, out, in] and ids [P], "
+                          f"got {x.shape}, {w.shape} {w.bits}-bit, {ids.shape}")
+    if x.dtype not in (jnp.float32, jnp.bfloat16) or isa not in ISAS:
+        raise ConfigError(f"expert_quantized_matmul: x float32 or bfloat16 and isa one of {tuple(ISAS)}, got "
+                          f"{x.dtype}, {isa!r}")
+    if not available():
+        raise ConfigError("expert_quantized_matmul: the CPU kernels are not available in this process (see the log)")
+    zero = jnp.zeros(w.scale.shape, jnp.int8) if w.zero is None else w.zero
+    return _expert_quantized_product(x, w.values, w.scale.astype(jnp.float32), zero.astype(jnp.int8),
+                                     ids.astype(jnp.int32), isa, w.zero is not None, streams)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(5, 6, 7))
+def _expert_quantized_product(x, values, scale, zero, ids, isa, has_zero, streams):
+    call = jax.ffi.ffi_call(EXPERT_QUANTIZED_TARGET, jax.ShapeDtypeStruct((x.shape[0], values.shape[1]), x.dtype),
+                            vmap_method="sequential")
+    return call(x, values, scale, zero, ids, isa=np.int32(ISAS[isa]), has_zero=has_zero, streams=streams)
+
+
+@_expert_quantized_product.defjvp
+def _expert_quantized_product_jvp(isa, has_zero, streams, primals, tangents):
+    """Linear in x: XLA's product with each pair's expert gathered and dequantized."""
+    x, values, scale, zero, ids = primals
+    dx = tangents[0]
+    bits = 4 if values.dtype == jnp.uint8 else 8
+    experts = dequantize(QuantizedWeight(values=jnp.take(values, ids, axis=0), scale=jnp.take(scale, ids, axis=0),
+                                         zero=jnp.take(zero, ids, axis=0), bits=bits))
+    tangent = jnp.einsum("pk,pnk->pn", dx.astype(jnp.float32), experts)
+    return _expert_quantized_product(x, values, scale, zero, ids, isa, has_zero, streams), tangent.astype(x.dtype)

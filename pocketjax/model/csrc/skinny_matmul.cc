@@ -1071,6 +1071,63 @@ ffi::Error SkinnyMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w
   return ffi::Error::Success();
 }
 
+// A quantized weight [N, K] in quant.py's form (values, scale and zero [N, G]) for `RunQuantized`.
+struct Quantized {
+  const uint8_t* qv;
+  const float* scale;
+  const int8_t* zero;
+  int64_t N, G;
+  int bits;
+  bool has_zero, tiled;
+};
+
+// y [rows, N] (bf16 when y_bf16) = x [rows, K] (float32) @ W^T for quantized W on code path `resolved`
+// (QuantizedMatmul's body, shared with the experts' pairs: the same bits for a row wherever it is computed).
+void RunQuantized(ffi::ThreadPool& pool, const float* x, int64_t rows, int64_t K, const Quantized& q, void* y,
+                  bool y_bf16, int resolved, bool streams) {
+  const int64_t N = q.N, G = q.G;
+  const int bits = q.bits;
+  const bool has_zero = q.has_zero, tiled = q.tiled;
+  auto s = std::make_shared<Shared>();
+  s->job = Job{x, nullptr, nullptr, y, y_bf16, rows, K, N};
+  s->job.qv = q.qv;
+  s->job.scale = q.scale;
+  s->job.zero = q.zero;
+  s->job.gs = K / G;
+  s->job.bits = bits;
+  s->job.streams = streams;
+  for (int r = 1; r <= kMaxRows; ++r) {
+    s->fns[r - 1] = SelectQuant(resolved, bits, has_zero, r);
+    s->dense[r - 1] = Select(resolved, false, r);
+  }
+  s->dequant = SelectDequant(resolved, has_zero);
+  if (bits == 4) {  // x rounded to int16 once per call (Int4Rows), kept per thread like FloatRows' copy
+    thread_local std::vector<int16_t> xq;
+    thread_local std::vector<float> xs;
+    const int64_t floats = rows * (1 + G);
+    if (static_cast<int64_t>(xq.size()) < rows * K) xq.resize(rows * K);
+    if (static_cast<int64_t>(xs.size()) < floats) xs.resize(floats);
+#if PJ_X86
+    if (resolved >= 2)
+      Int4RowsAvx2(s->job.x, rows, K, s->job.gs, xq.data(), xs.data(), xs.data() + rows);
+    else
+#endif
+      Int4Rows(s->job.x, rows, K, s->job.gs, xq.data(), xs.data(), xs.data() + rows);
+    s->job.xq = xq.data();
+    if (resolved == 3) {  // the AVX-512 path reads x rows in pairs (blocks start at even rows: Block() is even)
+      thread_local std::vector<int16_t> pairs;
+      if (static_cast<int64_t>(pairs.size()) < (rows + 1) / 2 * 2 * K) pairs.resize((rows + 1) / 2 * 2 * K);
+      Int4PairRows(xq.data(), rows, K, pairs.data());
+      s->job.xq = pairs.data();
+    }
+    s->job.xs = xs.data();
+    s->job.xsum = xs.data() + rows;
+    s->job.has_zero = has_zero;
+    s->job.tiled = tiled;
+  }
+  Run(pool, s, K * bits / 8 + G * 5, bits == 4 ? K / 2 + G * 5 : K * 4);
+}
+
 ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer scale,
                            ffi::AnyBuffer zero, ffi::Result<ffi::AnyBuffer> y, int32_t isa, bool has_zero, bool tiled,
                            bool streams) {
@@ -1094,45 +1151,125 @@ ffi::Error QuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   const int64_t rows = xd[0], K = xd[1], N = vd[0];
   if (rows == 0 || N == 0) return ffi::Error::Success();
   const bool x_bf16 = xt == ffi::DataType::BF16;
-  const int resolved = QuantIsa(isa);
-  auto s = std::make_shared<Shared>();
-  s->job = Job{FloatRows(x, x_bf16), nullptr, nullptr, y->untyped_data(), x_bf16, rows, K, N};
-  s->job.qv = static_cast<const uint8_t*>(values.untyped_data());
-  s->job.scale = static_cast<const float*>(scale.untyped_data());
-  s->job.zero = static_cast<const int8_t*>(zero.untyped_data());
-  s->job.gs = K / sd[1];
-  s->job.bits = bits;
-  s->job.streams = streams;
-  for (int r = 1; r <= kMaxRows; ++r) {
-    s->fns[r - 1] = SelectQuant(resolved, bits, has_zero, r);
-    s->dense[r - 1] = Select(resolved, false, r);
+  const Quantized q{static_cast<const uint8_t*>(values.untyped_data()), static_cast<const float*>(scale.untyped_data()),
+                    static_cast<const int8_t*>(zero.untyped_data()), N, sd[1], bits, has_zero, tiled};
+  RunQuantized(pool, FloatRows(x, x_bf16), rows, K, q, y->untyped_data(), x_bf16, QuantIsa(isa), streams);
+  return ffi::Error::Success();
+}
+
+// Pairs grouped by expert, stably: pairs order[start[e]] .. order[start[e + 1] - 1] chose expert e. False for an id
+// outside [0, E).
+bool GroupByExpert(const int32_t* ids, int64_t P, int64_t E, std::vector<int64_t>& start, std::vector<int64_t>& order) {
+  start.assign(E + 1, 0);
+  order.resize(P);
+  for (int64_t p = 0; p < P; ++p) {
+    if (ids[p] < 0 || ids[p] >= E) return false;
+    ++start[ids[p] + 1];
   }
-  s->dequant = SelectDequant(resolved, has_zero);
-  if (bits == 4) {  // x rounded to int16 once per call (Int4Rows), kept per thread like FloatRows' copy
-    thread_local std::vector<int16_t> xq;
-    thread_local std::vector<float> xs;
-    const int64_t floats = rows * (1 + sd[1]);
-    if (static_cast<int64_t>(xq.size()) < rows * K) xq.resize(rows * K);
-    if (static_cast<int64_t>(xs.size()) < floats) xs.resize(floats);
-#if PJ_X86
-    if (resolved >= 2)
-      Int4RowsAvx2(s->job.x, rows, K, s->job.gs, xq.data(), xs.data(), xs.data() + rows);
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> at(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < P; ++p) order[at[ids[p]]++] = p;
+  return true;
+}
+
+// Mixture-of-experts pairs (`PocketjaxExpertMatmul`, model/moe.py): y[p] = x[p] @ w[ids[p]]^T for stacked experts
+// w [E, N, K] in place (no gathered copy of any weight). The pairs are grouped by expert (a stable counting sort),
+// each group's x rows copied side by side, and each group runs as one SkinnyMatmul job against its expert's weight:
+// every weight row of a chosen expert is read once for all the pairs routed to it, experts no pair chose are never
+// read (a decode step reads its rows' k experts only), and a pair's bits are the bits of its row multiplied alone
+// (a row's sum never depends on the rows beside it: see the top), so they never depend on the other pairs.
+ffi::Error ExpertMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> ids,
+                        ffi::Result<ffi::AnyBuffer> y, int32_t isa, bool streams) {
+  auto xd = x.dimensions(), wd = w.dimensions(), id = ids.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || id.size() != 1 || yd.size() != 2 || xd[1] != wd[2] || id[0] != xd[0] ||
+      yd[0] != xd[0] || yd[1] != wd[1])
+    return ffi::Error::InvalidArgument("pocketjax expert_matmul: expects x [P, in], w [E, out, in], ids [P], "
+                                       "y [P, out]");
+  const ffi::DataType xt = x.element_type(), yt = y->element_type(), wt = w.element_type();
+  if (!FloatRowsType(xt) || yt != xt || !FloatRowsType(wt))
+    return ffi::Error::InvalidArgument("pocketjax expert_matmul: x and y float32 or bfloat16 alike, w float32 or "
+                                       "bfloat16");
+  const int64_t P = xd[0], K = xd[1], E = wd[0], N = wd[1];
+  if (P == 0 || N == 0) return ffi::Error::Success();
+  std::vector<int64_t> start, order;
+  if (!GroupByExpert(ids.typed_data(), P, E, start, order))
+    return ffi::Error::InvalidArgument("pocketjax expert_matmul: an expert id outside [0, E)");
+  const bool w_bf16 = wt == ffi::DataType::BF16, x_bf16 = xt == ffi::DataType::BF16;
+  const int resolved = ResolveIsa(isa, x_bf16, w_bf16);
+  const float* xf = FloatRows(x, x_bf16 && resolved != 4);
+  const uint16_t* xb = x_bf16 ? static_cast<const uint16_t*>(x.untyped_data()) : nullptr;
+  const bool dot_bf16 = x_bf16 && resolved == 4;  // the AVX512_BF16 path reads the bf16 rows, the others floats
+  std::vector<float> xs(dot_bf16 ? 0 : P * K);
+  std::vector<uint16_t> xbs(dot_bf16 ? P * K : 0);
+  for (int64_t i = 0; i < P; ++i) {
+    if (dot_bf16)
+      std::memcpy(xbs.data() + i * K, xb + order[i] * K, K * 2);
     else
-#endif
-      Int4Rows(s->job.x, rows, K, s->job.gs, xq.data(), xs.data(), xs.data() + rows);
-    s->job.xq = xq.data();
-    if (resolved == 3) {  // the AVX-512 path reads x rows in pairs (blocks start at even rows: Block() is even)
-      thread_local std::vector<int16_t> pairs;
-      if (static_cast<int64_t>(pairs.size()) < (rows + 1) / 2 * 2 * K) pairs.resize((rows + 1) / 2 * 2 * K);
-      Int4PairRows(xq.data(), rows, K, pairs.data());
-      s->job.xq = pairs.data();
-    }
-    s->job.xs = xs.data();
-    s->job.xsum = xs.data() + rows;
-    s->job.has_zero = has_zero;
-    s->job.tiled = tiled;
+      std::memcpy(xs.data() + i * K, xf + order[i] * K, K * 4);
   }
-  Run(pool, s, K * bits / 8 + sd[1] * 5, bits == 4 ? K / 2 + sd[1] * 5 : K * 4);
+  const int64_t ysize = x_bf16 ? 2 : 4, wsize = w_bf16 ? 2 : 4;
+  std::vector<char> ys(P * N * ysize);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = start[e], rows = start[e + 1] - start[e];
+    if (rows == 0) continue;
+    auto s = std::make_shared<Shared>();
+    s->job = Job{dot_bf16 ? nullptr : xs.data() + r0 * K, dot_bf16 ? xbs.data() + r0 * K : nullptr,
+                 static_cast<const char*>(w.untyped_data()) + e * N * K * wsize, ys.data() + r0 * N * ysize, x_bf16,
+                 rows, K, N};
+    s->job.streams = streams;
+    for (int r = 1; r <= kMaxRows; ++r) s->fns[r - 1] = Select(resolved, w_bf16, r);
+    Run(pool, s, K * wsize, K * wsize);
+  }
+  char* out = static_cast<char*>(y->untyped_data());
+  for (int64_t i = 0; i < P; ++i) std::memcpy(out + order[i] * N * ysize, ys.data() + i * N * ysize, N * ysize);
+  return ffi::Error::Success();
+}
+
+
+// The experts' pairs for quantized experts (`PocketjaxExpertQuantizedMatmul`): values [E, N, K * bits / 8], scale and
+// zero [E, N, G], each expert quant.py's form in place; grouped as ExpertMatmul, each group QuantizedMatmul's job
+// (`RunQuantized`) on its expert, so a pair's bits are its row's alone against that expert.
+ffi::Error ExpertQuantizedMatmul(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer values, ffi::AnyBuffer scale,
+                                 ffi::AnyBuffer zero, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> y,
+                                 int32_t isa, bool has_zero, bool streams) {
+  auto xd = x.dimensions(), vd = values.dimensions(), sd = scale.dimensions(), zd = zero.dimensions(),
+       id = ids.dimensions(), yd = y->dimensions();
+  const int bits = values.element_type() == ffi::DataType::U8 ? 4 : 8;
+  if (xd.size() != 2 || vd.size() != 3 || sd.size() != 3 || zd.size() != 3 || id.size() != 1 || yd.size() != 2 ||
+      vd[2] * 8 / bits != xd[1] || sd[0] != vd[0] || sd[1] != vd[1] || zd[0] != vd[0] || zd[1] != vd[1] ||
+      zd[2] != sd[2] || id[0] != xd[0] || yd[0] != xd[0] || yd[1] != vd[1] || sd[2] == 0 || xd[1] % sd[2] != 0 ||
+      (xd[1] / sd[2]) % (bits == 4 ? 32 : 8) != 0)
+    return ffi::Error::InvalidArgument("pocketjax expert_quantized_matmul: expects x [P, in], values [E, out, in * "
+                                       "bits / 8], scale and zero [E, out, in / gs] (gs a multiple of 32 for int4, 8 "
+                                       "for int8), ids [P], y [P, out]");
+  const ffi::DataType xt = x.element_type();
+  if (!FloatRowsType(xt) || y->element_type() != xt ||
+      (values.element_type() != ffi::DataType::U8 && values.element_type() != ffi::DataType::S8) ||
+      scale.element_type() != ffi::DataType::F32 || zero.element_type() != ffi::DataType::S8)
+    return ffi::Error::InvalidArgument("pocketjax expert_quantized_matmul: x, y float32 or bfloat16 alike; values "
+                                       "uint8 (int4) or int8; scale float32, zero int8");
+  const int64_t P = xd[0], K = xd[1], E = vd[0], N = vd[1], G = sd[2];
+  if (P == 0 || N == 0) return ffi::Error::Success();
+  std::vector<int64_t> start, order;
+  if (!GroupByExpert(ids.typed_data(), P, E, start, order))
+    return ffi::Error::InvalidArgument("pocketjax expert_quantized_matmul: an expert id outside [0, E)");
+  const bool x_bf16 = xt == ffi::DataType::BF16;
+  const float* xf = FloatRows(x, x_bf16);
+  std::vector<float> xs(P * K);
+  for (int64_t i = 0; i < P; ++i) std::memcpy(xs.data() + i * K, xf + order[i] * K, K * 4);
+  const int64_t ysize = x_bf16 ? 2 : 4, vrow = K * bits / 8;
+  std::vector<char> ys(P * N * ysize);
+  const int resolved = QuantIsa(isa);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = start[e], rows = start[e + 1] - start[e];
+    if (rows == 0) continue;
+    const Quantized q{static_cast<const uint8_t*>(values.untyped_data()) + e * N * vrow,
+                      static_cast<const float*>(scale.untyped_data()) + e * N * G,
+                      static_cast<const int8_t*>(zero.untyped_data()) + e * N * G, N, G, bits, has_zero, false};
+    RunQuantized(pool, xs.data() + r0 * K, rows, K, q, ys.data() + r0 * N * ysize, x_bf16, resolved, streams);
+  }
+  char* out = static_cast<char*>(y->untyped_data());
+  for (int64_t i = 0; i < P; ++i) std::memcpy(out + order[i] * N * ysize, ys.data() + i * N * ysize, N * ysize);
   return ffi::Error::Success();
 }
 
@@ -1164,3 +1301,26 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxQuantizedMatmul, QuantizedMatmul,
 extern "C" int PocketjaxSkinnyMatmulIsa(int32_t requested, int32_t x_bf16, int32_t w_bf16) {
   return ResolveIsa(requested, x_bf16, w_bf16);
 }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxExpertMatmul, ExpertMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa")
+                                  .Attr<bool>("streams"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PocketjaxExpertQuantizedMatmul, ExpertQuantizedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("isa")
+                                  .Attr<bool>("has_zero")
+                                  .Attr<bool>("streams"));
