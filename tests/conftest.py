@@ -310,3 +310,110 @@ def abstract_gpu():
     device = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("gpu",), abstract_device=device)):
         yield device
+
+
+# Tiny mixture-of-experts configs (issue 68): qwen3_moe with every layer sparse (so it also loads stacked for scan),
+# renormalized top-2 of 8; qwen2_moe with a dense layer among sparse ones (mlp_only_layers), top-3 of 8 without
+# renormalizing, and the shared expert behind its sigmoid gate.
+MOE_CONFIGS: dict[str, dict] = {
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=263, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, attention_bias=False),
+    "qwen2_moe": dict(model_type="qwen2_moe", vocab_size=257, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=True, qkv_bias=True),
+}
+
+
+def moe_tensor_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor transformers' Qwen2Moe/Qwen3MoeForCausalLM saves, by name (its per-expert layout, written out
+    here from transformers' modules, not pocketjax's)."""
+    h, vocab, layers = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    qwen3 = config["model_type"] == "qwen3_moe"
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    e, i, dense = config["num_experts"], config["moe_intermediate_size"], config["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, h)
+    for n in range(layers):
+        at = f"model.layers.{n}."
+        shapes |= {at + "input_layernorm.weight": (h,), at + "post_attention_layernorm.weight": (h,),
+                   at + "self_attn.q_proj.weight": (q, h), at + "self_attn.k_proj.weight": (kv, h),
+                   at + "self_attn.v_proj.weight": (kv, h), at + "self_attn.o_proj.weight": (h, q)}
+        if config.get("qkv_bias", False) or config.get("attention_bias", False):
+            shapes |= {at + "self_attn.q_proj.bias": (q,), at + "self_attn.k_proj.bias": (kv,),
+                       at + "self_attn.v_proj.bias": (kv,)}
+        if qwen3 and config.get("attention_bias", False):
+            shapes[at + "self_attn.o_proj.bias"] = (h,)
+        if qwen3:
+            shapes |= {at + "self_attn.q_norm.weight": (d,), at + "self_attn.k_norm.weight": (d,)}
+        if n in config["mlp_only_layers"] or (n + 1) % config["decoder_sparse_step"]:
+            shapes |= {at + "mlp.gate_proj.weight": (dense, h), at + "mlp.up_proj.weight": (dense, h),
+                       at + "mlp.down_proj.weight": (h, dense)}
+            continue
+        shapes[at + "mlp.gate.weight"] = (e, h)
+        for x in range(e):
+            shapes |= {f"{at}mlp.experts.{x}.gate_proj.weight": (i, h), f"{at}mlp.experts.{x}.up_proj.weight": (i, h),
+                       f"{at}mlp.experts.{x}.down_proj.weight": (h, i)}
+        if not qwen3:
+            s = config["shared_expert_intermediate_size"]
+            shapes |= {at + "mlp.shared_expert.gate_proj.weight": (s, h), at + "mlp.shared_expert.up_proj.weight": (s, h),
+                       at + "mlp.shared_expert.down_proj.weight": (h, s), at + "mlp.shared_expert_gate.weight": (1, h)}
+    return dict(sorted(shapes.items()))
+
+
+def build_moe_checkpoint(folder: Path, name: str, seed: int = 0, dtype: str = "float32",
+                         max_shard_size: str = "40KB", **overrides) -> Path:
+    """A random-weight qwen2_moe / qwen3_moe checkpoint in transformers' layout, sharded (numpy + safetensors, no
+    torch), drawn as `build_hf_checkpoint` draws: 1-D tensors 1 + 0.2 N(0, 1), matrices N(0, 0.08); the router's rows
+    N(0, 0.5), so each token's top experts stand apart (no near-ties between the k-th and the next)."""
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {**MOE_CONFIGS[name], **overrides}
+    config = {"architectures": [{"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[
+                  cfg["model_type"]]], "attention_dropout": 0.0, "bos_token_id": None, "dtype": dtype,
+              "eos_token_id": None, "hidden_act": "silu", "initializer_range": 0.02, "max_position_embeddings": 32768,
+              "output_router_logits": False, "rms_norm_eps": 1e-06, "router_aux_loss_coef": 0.001,
+              "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}, "sliding_window": None,
+              "use_cache": True, "use_sliding_window": False, **cfg}
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    rng = np.random.default_rng(seed)
+    np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    shards: list[dict] = [{}]
+    limit = shard_size_bytes(max_shard_size)
+    for tensor, shape in moe_tensor_shapes(config).items():
+        draw = rng.standard_normal(shape, dtype=np.float32)
+        scale = 0.5 if tensor.endswith("mlp.gate.weight") else 0.08
+        array = (1.0 + 0.2 * draw if len(shape) == 1 else scale * draw).astype(np_dtype)
+        if shards[-1] and sum(a.nbytes for a in shards[-1].values()) + array.nbytes > limit:
+            shards.append({})
+        shards[-1][tensor] = array
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / file, metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(dict(sorted(config.items())), indent=2) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory):
+    """moe_checkpoint("qwen3_moe" | "qwen2_moe", **overrides) -> folder of a random-weight sharded MoE checkpoint
+    (`build_moe_checkpoint`), built once per session."""
+    cache: dict[str, Path] = {}
+
+    def make(name: str, **overrides) -> Path:
+        key = name + json.dumps(overrides, sort_keys=True)
+        if key not in cache:
+            cache[key] = build_moe_checkpoint(tmp_path_factory.mktemp(name), name, **overrides)
+        return cache[key]
+
+    return make

@@ -180,8 +180,9 @@ def _ints(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
 
 
-def layer_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """Our per-layer param name -> (HF tensor suffix, shape), for the tensors each layer of `config` has.
+def layer_tensors(config: ModelConfig, layer: int = 0) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Our param name -> (HF tensor suffix, shape), for the tensors layer `layer` of `config` has (every layer of a
+    dense model alike; a mixture-of-experts layer holds its experts instead of the dense MLP: `expert_tensors`).
 
     Linear weights keep HF's [out, in] layout: on XLA:CPU the decode-sized product runs fastest as w @ x.T
     (benchmarks/xla_cpu_matmul.py), and loading needs no transposes.
@@ -199,12 +200,43 @@ def layer_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]
     if config.attention_bias:
         table |= {"q_bias": ("self_attn.q_proj.bias", (q,)), "k_bias": ("self_attn.k_proj.bias", (kv,)),
                   "v_bias": ("self_attn.v_proj.bias", (kv,))}
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "qwen3_moe"):
             table["o_bias"] = ("self_attn.o_proj.bias", (h,))
     if config.qk_norm:
         table |= {"q_norm": ("self_attn.q_norm.weight", (d,)), "k_norm": ("self_attn.k_norm.weight", (d,))}
+    if config.sparse(layer):
+        return table | expert_tensors(config)
     return table | {"gate": ("mlp.gate_proj.weight", (i, h)), "up": ("mlp.up_proj.weight", (i, h)),
                     "down": ("mlp.down_proj.weight", (h, i))}
+
+
+# A sparse layer's stacked experts: our name -> HF's per-expert projection (model.layers.N.mlp.experts.E.<proj>).
+EXPERT_PROJECTIONS = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
+
+
+def expert_tensors(config: ModelConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A sparse layer's params: the router (mlp.gate), the experts stacked [num_experts, out, in] (stored one tensor
+    per expert: `expert_names`), and qwen2_moe's shared expert with its gate."""
+    moe, h = config.moe, config.hidden_size
+    e, i = moe.num_experts, moe.intermediate_size
+    table = {"router": ("mlp.gate.weight", (e, h)),
+             "expert_gate": ("mlp.experts.gate_proj.weight", (e, i, h)),
+             "expert_up": ("mlp.experts.up_proj.weight", (e, i, h)),
+             "expert_down": ("mlp.experts.down_proj.weight", (e, h, i))}
+    if moe.shared_intermediate_size:
+        s = moe.shared_intermediate_size
+        table |= {"shared_gate": ("mlp.shared_expert.gate_proj.weight", (s, h)),
+                  "shared_up": ("mlp.shared_expert.up_proj.weight", (s, h)),
+                  "shared_down": ("mlp.shared_expert.down_proj.weight", (h, s)),
+                  "shared_expert_gate": ("mlp.shared_expert_gate.weight", (1, h))}
+    return table
+
+
+def expert_names(name: str, num_experts: int) -> list[str]:
+    """The per-expert HF tensors a stacked expert param is read from: "model.layers.3.mlp.experts.gate_proj.weight"
+    -> ["model.layers.3.mlp.experts.0.gate_proj.weight", ...] (the layout every released checkpoint has)."""
+    head, _, proj = name.rpartition(".experts.")
+    return [f"{head}.experts.{e}.{proj}" for e in range(num_experts)]
 
 
 def param_tensors(config: ModelConfig) -> Iterator[tuple[tuple, str, tuple[int, ...]]]:
@@ -214,9 +246,8 @@ def param_tensors(config: ModelConfig) -> Iterator[tuple[tuple, str, tuple[int, 
     """
     v, h = config.vocab_size, config.hidden_size
     yield ("embed",), "model.embed_tokens.weight", (v, h)
-    layer = layer_tensors(config)
     for n in range(config.num_layers):
-        for ours, (suffix, shape) in layer.items():
+        for ours, (suffix, shape) in layer_tensors(config, n).items():
             yield ("layers", n, ours), f"model.layers.{n}.{suffix}", shape
     yield ("final_norm",), "model.norm.weight", (h,)
     if not config.tie_word_embeddings:
@@ -224,8 +255,14 @@ def param_tensors(config: ModelConfig) -> Iterator[tuple[tuple, str, tuple[int, 
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name -> shape, for every tensor the config implies (the checkpoint must hold exactly these)."""
-    return {name: shape for _, name, shape in param_tensors(config)}
+    """HF tensor name -> shape, for every tensor the checkpoint must hold (a stacked expert param: one per expert)."""
+    shapes = {}
+    for path, name, shape in param_tensors(config):
+        if path[-1] in EXPERT_PROJECTIONS:
+            shapes |= dict.fromkeys(expert_names(name, shape[0]), shape[1:])
+        else:
+            shapes[name] = shape
+    return shapes
 
 
 def nest(config: ModelConfig, items: Iterable[tuple[tuple, Any]]) -> dict[str, Any]:
@@ -263,6 +300,9 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
         raise CheckpointError(f"missing tensor(s) in checkpoint: {', '.join(missing[:5])}")
 
     for path, name, shape in param_tensors(config):
+        if path[-1] in EXPERT_PROJECTIONS:  # one [out, in] tensor per expert, stacked as read
+            yield path, read_experts(tensors, name, shape, dtype)
+            continue
         if name in quantized:  # an AWQ/GPTQ QuantizedWeight, read into quant.py's [out, in] layout
             yield path, prequantized.read_linear(config.quantization, name.removesuffix(".weight"), *shape,
                                                  lambda n: quantized_part(n, tensors[n].tensor(n)))
@@ -271,6 +311,18 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
         if tuple(array.shape) != shape:
             raise CheckpointError(f"tensor {name!r} has shape {tuple(array.shape)}, config implies {shape}")
         yield path, np.ascontiguousarray(array, dtype=dtype)
+
+
+def read_experts(tensors: dict[str, SafetensorsFile], name: str, shape: tuple[int, ...], dtype: np.dtype
+                 ) -> np.ndarray:
+    """The [num_experts, out, in] stack of a layer's per-expert tensors (`expert_names`), each checked and cast."""
+    out = np.empty(shape, dtype)
+    for e, part in enumerate(expert_names(name, shape[0])):
+        array = check_float(part, tensors[part].tensor(part))
+        if tuple(array.shape) != shape[1:]:
+            raise CheckpointError(f"tensor {part!r} has shape {tuple(array.shape)}, config implies {shape[1:]}")
+        out[e] = array
+    return out
 
 
 def load_params(folder: str | Path, config: ModelConfig, dtype: np.dtype, place: Placer) -> dict[str, Any]:

@@ -17,14 +17,16 @@ import numpy as np
 from ..errors import ConfigError
 from .files import contained
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
 DTYPES = ("float32", "bfloat16", "float16")
 ROPE_TYPES = ("default", "linear", "yarn")
 # Upper bounds far past any released Qwen (the largest: 64 layers, hidden 8192, vocab 152K, 1M positions), so a
 # config.json cannot make the planner or the loader loop or allocate without end (num_hidden_layers: 10**9 hung it).
 MAX_SIZES = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1024,
              "num_attention_heads": 1024, "num_key_value_heads": 1024, "head_dim": 1024,
-             "max_position_embeddings": 1 << 24}
+             "max_position_embeddings": 1 << 24, "num_experts": 1024, "num_experts_per_tok": 1024,
+             "moe_intermediate_size": 1 << 18, "shared_expert_intermediate_size": 1 << 18, "decoder_sparse_step": 1024}
 
 
 def _is_int(value: Any) -> bool:
@@ -122,8 +124,30 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts MLP (qwen2_moe / qwen3_moe; model/moe.py): `num_experts` experts of width
+    `intermediate_size`, `top_k` of them per token (the router's softmax, renormalized over the k when `norm_topk_prob`),
+    and qwen2_moe's shared expert of width `shared_intermediate_size` (0: none) behind its sigmoid gate. Layer i is
+    sparse unless it is in `mlp_only_layers` or (i + 1) % `sparse_step` != 0 (transformers' rule); the others keep the
+    dense MLP of `ModelConfig.intermediate_size`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+    sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer` (0-based) runs the experts rather than the dense MLP."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a Qwen2/Qwen2.5/Qwen3 dense decoder: everything the forward pass needs."""
+    """The architecture of a Qwen2/Qwen2.5/Qwen3 decoder, dense or mixture-of-experts (`moe`): everything the
+    forward pass needs."""
 
     model_type: str
     vocab_size: int
@@ -140,6 +164,7 @@ class ModelConfig:
     attention_bias: bool
     qk_norm: bool
     dtype: str = "float32"
+    moe: MoeConfig | None = None  # qwen2_moe / qwen3_moe: the sparse MLP and which layers run it
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     # How the checkpoint stores its weights, not the architecture: left out of == and hash, so the jitted functions
@@ -151,17 +176,36 @@ class ModelConfig:
         """Query heads per KV head (the GQA ratio)."""
         return self.num_heads // self.num_kv_heads
 
-    def num_params(self) -> int:
-        """Parameter count, counting a tied embedding once."""
-        h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
+    def sparse(self, layer: int) -> bool:
+        """Whether layer `layer` runs experts (`MoeConfig.sparse`); always False for a dense model."""
+        return self.moe is not None and self.moe.sparse(layer)
+
+    @property
+    def mixed_layers(self) -> bool:
+        """True when some layers are sparse and others dense: their params differ, so they cannot be stacked."""
+        return len({self.sparse(n) for n in range(self.num_layers)}) > 1
+
+    def num_params(self, active: bool = False) -> int:
+        """Parameter count, counting a tied embedding once; `active`: what one token reads (of each sparse layer's
+        experts only its top_k, the router and the shared expert in full)."""
+        h, d = self.hidden_size, self.head_dim
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * q + 2 * h * kv + q * h
         if self.attention_bias:
             attn += q + 2 * kv
         norms = 2 * h + (2 * d if self.qk_norm else 0)
-        layer = attn + 3 * h * i + norms
+        total = 0
+        for n in range(self.num_layers):
+            if self.sparse(n):
+                moe = self.moe
+                experts = moe.top_k if active else moe.num_experts
+                shared = 3 * h * moe.shared_intermediate_size + h if moe.shared_intermediate_size else 0
+                mlp = moe.num_experts * h + experts * 3 * h * moe.intermediate_size + shared
+            else:
+                mlp = 3 * h * self.intermediate_size
+            total += attn + mlp + norms
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + emb + h
+        return total + emb + h
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -211,9 +255,17 @@ class ModelConfig:
             bias = cfg.get("attention_bias", True)
             if bias is False:
                 raise ConfigError("attention_bias=false contradicts model_type 'qwen2', which always has QKV bias")
+        elif model_type == "qwen2_moe":  # transformers' Qwen2MoeConfig names it qkv_bias (o_proj has none)
+            bias = cfg.get("qkv_bias", True)
+            if not isinstance(bias, bool):
+                raise ConfigError(f"qkv_bias must be true or false, got {bias!r:.80}")
         else:
             bias = bool(cfg.get("attention_bias", False))
         eos_ids = token_ids(cfg.get("eos_token_id"), "eos_token_id", cfg["vocab_size"])
+        quantization = parse_quantization(cfg)
+        if quantization is not None and model_type in MOE_MODEL_TYPES:
+            raise ConfigError(f"{quantization.method} {model_type} checkpoints are not supported yet (load the float "
+                              f"checkpoint, optionally with quantize=)")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
@@ -228,11 +280,12 @@ class ModelConfig:
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(bias),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             dtype=parse_dtype(cfg),
+            moe=parse_moe(cfg) if model_type in MOE_MODEL_TYPES else None,
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            quantization=parse_quantization(cfg),
+            quantization=quantization,
         )
 
     @classmethod
@@ -242,6 +295,36 @@ class ModelConfig:
         if not file.exists():
             raise ConfigError(f"{file} not found")
         return cls.from_dict(read_json_object(contained(path, file.name)))
+
+
+def parse_moe(cfg: dict[str, Any]) -> MoeConfig:
+    """The experts of a qwen2_moe / qwen3_moe config.json, with transformers' defaults for the fields it may omit."""
+    qwen2 = cfg["model_type"] == "qwen2_moe"
+    # transformers 5 writes qwen3_moe's count as num_local_experts (its attribute_map), released checkpoints num_experts
+    spellings = {k: cfg[k] for k in ("num_experts", "num_local_experts") if cfg.get(k) is not None}
+    if len(set(map(repr, spellings.values()))) > 1:
+        raise ConfigError(f"num_experts and num_local_experts disagree: {spellings}")
+    experts = _size({"num_experts": next(iter(spellings.values()), 60 if qwen2 else 128)}, "num_experts")
+    top_k = _size(cfg, "num_experts_per_tok", 4 if qwen2 else 8)
+    if top_k > experts:
+        raise ConfigError(f"num_experts_per_tok={top_k} exceeds num_experts={experts}")
+    width = _size(cfg, "moe_intermediate_size", 1408 if qwen2 else 768)
+    shared = _size(cfg, "shared_expert_intermediate_size", 5632) if qwen2 else 0
+    if not qwen2 and cfg.get("shared_expert_intermediate_size"):
+        raise ConfigError("shared_expert_intermediate_size is not part of qwen3_moe (it has no shared expert)")
+    norm = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ConfigError(f"norm_topk_prob must be true or false, got {norm!r:.80}")
+    step = _size(cfg, "decoder_sparse_step", 1)
+    only = cfg.get("mlp_only_layers") or []
+    layers = cfg["num_hidden_layers"]
+    if not isinstance(only, list) or not all(_is_int(n) and 0 <= n < layers for n in only):
+        raise ConfigError(f"mlp_only_layers must be a list of layer indices in [0, {layers}), got {only!r:.80}")
+    for key in ("output_router_logits",):
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise ConfigError(f"{key} must be true or false, got {cfg[key]!r:.80}")
+    return MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=width, norm_topk_prob=norm,
+                     shared_intermediate_size=shared, sparse_step=step, mlp_only_layers=tuple(sorted(set(only))))
 
 
 def parse_dtype(cfg: dict[str, Any]) -> str:

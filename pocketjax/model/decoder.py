@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from . import cpu_kernels, layers
+from . import cpu_kernels, layers, moe
 
 from . import quant
 from .checkpoint import load_params
@@ -53,10 +53,13 @@ AUTO_SCAN_MIN_LAYERS = 48
 def resolve_scan_layers(scan_layers: bool | str, config: ModelConfig) -> bool:
     """Whether a model is loaded stacked for `lax.scan`: True / False as given; "auto": from AUTO_SCAN_MIN_LAYERS
     layers on (the measurements above it)."""
-    if scan_layers == "auto":
-        return config.num_layers >= AUTO_SCAN_MIN_LAYERS
+    if scan_layers == "auto":  # a stack needs every layer alike: dense layers among sparse ones stay unrolled
+        return config.num_layers >= AUTO_SCAN_MIN_LAYERS and not config.mixed_layers
     if not isinstance(scan_layers, bool):
         raise ConfigError(f"scan_layers must be 'auto', True or False, got {scan_layers!r}")
+    if scan_layers and config.mixed_layers:
+        raise ConfigError("scan_layers=True needs every layer alike, but this model mixes dense layers "
+                          "(mlp_only_layers / decoder_sparse_step) with sparse ones: load it with scan_layers=False")
     return scan_layers
 
 
@@ -127,7 +130,7 @@ def layer_stack(params: Params, config: ModelConfig, tokens: jax.Array, position
         q, k, v = layers.qkv_projection(p, config, layers.rms_norm(x, p["input_norm"], eps), cos, sin)
         out, state = attend(i, q, k, v, state)
         x = x + layers.linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"), name="o")
-        x = x + layers.swiglu(p, layers.rms_norm(x, p["post_norm"], eps))
+        x = x + mlp(p, config, layers.rms_norm(x, p["post_norm"], eps))
         x = x if hook is None else hook(i, x)
         return x if add is None else x + add[:, None, :].astype(x.dtype), state
 
@@ -148,6 +151,12 @@ def layer_stack(params: Params, config: ModelConfig, tokens: jax.Array, position
         after = jnp.stack(after) if keep_hidden else None
     hidden = jnp.concatenate([first[None], after]) if keep_hidden else None
     return x, state, hidden
+
+
+def mlp(p: Params, config: ModelConfig, x: jax.Array) -> jax.Array:
+    """A layer's MLP: the experts where its params hold a router (a sparse layer: `config.sparse`, as loaded), else
+    the dense SwiGLU. Decided by the params' keys at trace time, so a scanned stack (all its layers alike) too."""
+    return moe.sparse_mlp(p, config.moe, x) if "router" in p else layers.swiglu(p, x)
 
 
 def run_layers(params: Params, config: ModelConfig, tokens: jax.Array, positions: jax.Array,

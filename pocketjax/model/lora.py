@@ -211,12 +211,14 @@ def read_adapter(folder: str | Path, config: ModelConfig) -> Adapter:
         if m is None or m.group(2).rpartition(".")[2] not in BY_MODULE:
             raise CheckpointError(f"{weights.name}: tensor {key!r} is not a LoRA pair of a linear projection")
         found.setdefault((int(m.group(1)), BY_MODULE[m.group(2).rpartition(".")[2]]), {})[m.group(3)] = key
-    shapes = layer_tensors(config)
     per_layer: list[dict[str, Lora]] = [{} for _ in range(config.num_layers)]
     for (layer, name), keys in sorted(found.items()):
         if layer >= config.num_layers or set(keys) != {"A", "B"}:
             raise CheckpointError(f"{weights.name}: layer {layer} {TARGETS[name]} has lora_{'/'.join(sorted(keys))} "
                                   f"(model has {config.num_layers} layers; both lora_A and lora_B are needed)")
+        shapes = layer_tensors(config, layer)
+        if name not in shapes:  # a mixture-of-experts layer has experts, not the dense MLP's projections
+            raise CheckpointError(f"{weights.name}: layer {layer} has no {TARGETS[name]} (its MLP is sparse: experts)")
         a, b = (np.asarray(file.tensor(keys[k]), np.float32) for k in "AB")
         (out, inp), rank = shapes[name][1], a.shape[0]
         if a.shape != (rank, inp) or b.shape != (out, rank):

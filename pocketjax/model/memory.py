@@ -9,12 +9,16 @@ replicated; int8 KV adds one float32 scale per (layer, k|v, slot, kv head, posit
 Activations are the peak of one prefill call (the engine's largest step), N = slots x prefill_chunk tokens:
     layer   N * a * (3H + (2 Hq + 2 Hkv) D + 3 I)      residual/normed/attn-out, q/k/v/attn, gate/up/product
             with Hq, Hkv, I the per-device head counts and MLP width, a the dtype's bytes; XLA frees a layer's
-            intermediates before the next, so one layer counts
+            intermediates before the next, so one layer counts. A sparse layer's MLP (mixture of experts) counts
+            k (3 I_e + 2H) + 4E / a + 3 I_s per token instead of 3I: its k (token, expert) pairs' inputs, gate / up /
+            product and outputs, the float32 router logits, the shared expert; the larger of the two kinds counts
     scores  attention="xla" only: N * Hq * max_seq_len * 4 * 2 (float32 logits and probabilities) plus the gathered
             K/V rows, 2 * slots * Hkv * max_seq_len * D * kv bytes; the Pallas kernels keep scores in VMEM/SRAM
     logits  slots * vocab * 4 (float32 last-token logits) + slots * vocab * 5 (the sampler's penalty state)
     dequant quantized only: the largest linear's in * out * 4 / split: XLA:CPU materializes one float32 dequantized
-            operand per matmul (measured; see quant.py), XLA:GPU fuses it (then this is an upper bound)
+            operand per matmul (measured; see quant.py), XLA:GPU fuses it (then this is an upper bound); a stack
+            of quantized experts counts whole (XLA's grouped fallback dequantizes it; the native kernel reads
+            each expert in place, so there this is an upper bound)
 """
 from __future__ import annotations
 
@@ -95,13 +99,17 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
     a = itemsize(dtype)
 
     weights: dict[str, int] = {"linear": 0, "embedding+lm_head": 0, "norms+biases": 0}
+    if config.moe is not None:
+        weights["experts"] = 0
     largest_linear = 0
     for path, _, shape in param_tensors(config):
         name = path[-1]
         if quant.bits_for(mode, name) is not None:
-            # quantized weights keep the float weight's [out, in] layout (see quant.quantizing_placer)
+            # quantized weights keep the float weight's [out, in] layout (see quant.quantizing_placer); stacked
+            # experts [E, out, in] are quantized expert by expert, their leaves stacked
             path = (quant.QUANTIZED,) + path
-            leaves = quant.leaf_shapes(*shape, quant.bits_for(mode, name)).values()
+            leaves = [(shape[:-2] + s, size) for s, size in
+                      quant.leaf_shapes(*shape[-2:], quant.bits_for(mode, name)).values()]
         elif stored is not None and name in quant.LINEAR_NAMES:  # prequantized.read_linear's QuantizedWeight
             path = (quant.QUANTIZED,) + path
             leaves = quant.leaf_shapes(*shape, stored.bits, stored.group_for(shape[1]),
@@ -109,23 +117,29 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
         else:
             leaves = [(shape, a)]
         nbytes = sum(device_bytes(path, s, size, config, tp) for s, size in leaves)
-        group = ("linear" if name in quant.LINEAR_NAMES else
+        group = ("linear" if name in quant.LINEAR_NAMES | quant.MOE_LINEAR_NAMES - quant.EXPERT_NAMES else
+                 "experts" if name in quant.EXPERT_NAMES | {"router"} else
                  "embedding+lm_head" if name in quant.HEAD_NAMES else "norms+biases")
         weights[group] += nbytes
-        if name in quant.LINEAR_NAMES:
+        if name in quant.LINEAR_NAMES | quant.MOE_LINEAR_NAMES:  # XLA's fallback dequantizes a whole expert stack
             largest_linear = max(largest_linear, device_bytes(path, shape, 4, config, tp))
 
     d, h, vocab = config.head_dim, config.hidden_size, config.vocab_size
     kv_local = config.num_kv_heads // tp if config.num_kv_heads % tp == 0 else config.num_kv_heads
     q_local = config.num_heads // tp
     mlp_local = config.intermediate_size // tp if config.intermediate_size % tp == 0 else config.intermediate_size
+    mlp_width = 3 * mlp_local if any(not config.sparse(n) for n in range(config.num_layers)) else 0
+    if config.moe is not None:  # per token: k pairs' input copies, gate / up / product and outputs, the router's
+        moe = config.moe        # logits (float32), the shared expert's gate / up / product
+        sparse = moe.top_k * (3 * moe.intermediate_size + 2 * h) + moe.num_experts * 4 // a
+        mlp_width = max(mlp_width, sparse + 3 * moe.shared_intermediate_size)
     kv_bytes = itemsize(kv_dtype)
     positions = 2 * config.num_layers * slots * kv_local * max_seq_len
     kv = {"values": positions * d * kv_bytes, "scales": positions * 4 if kv_dtype in QUANTIZED_KV_DTYPES else 0,
           "lengths": slots * 4}
 
     tokens = slots * prefill_chunk
-    act = {"layer": tokens * a * (3 * h + (2 * q_local + 2 * kv_local) * d + 3 * mlp_local),
+    act = {"layer": tokens * a * (3 * h + (2 * q_local + 2 * kv_local) * d + mlp_width),
            "scores": (tokens * q_local * max_seq_len * 4 * 2 + 2 * slots * kv_local * max_seq_len * d * kv_bytes
                       if attention == "xla" else 0),
            "logits+sampler": slots * vocab * (4 + 5),

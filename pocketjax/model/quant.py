@@ -70,6 +70,10 @@ GROUP_SIZE = 32  # llama.cpp's block. Measured on the embedded model (bench_quan
 MIN_GROUP_SIZE = 32
 LINEAR_NAMES = frozenset({"q", "k", "v", "o", "gate", "up", "down"})
 HEAD_NAMES = frozenset({"embed", "lm_head"})
+# A mixture-of-experts layer's linears (model/moe.py): quantized as the dense ones (the router and the shared expert's
+# gate stay float); the experts are stacked [num_experts, out, in], each expert quantized on its own
+EXPERT_NAMES = frozenset({"expert_gate", "expert_up", "expert_down"})
+MOE_LINEAR_NAMES = EXPERT_NAMES | {"shared_gate", "shared_up", "shared_down"}
 LEAVES = ("values", "scale", "zero", "perm")
 TILE_ROWS = 4  # int4 rows per tile (csrc/skinny_matmul.cc kTileRows)
 
@@ -125,7 +129,7 @@ def bits_for(mode: tuple[int, int | None] | None, name: str) -> int | None:
     """The bits a `parse_mode` mode quantizes the weight called `name` to; None: it stays a float weight."""
     if mode is None:
         return None
-    return mode[0] if name in LINEAR_NAMES else mode[1] if name in HEAD_NAMES else None
+    return mode[0] if name in LINEAR_NAMES | MOE_LINEAR_NAMES else mode[1] if name in HEAD_NAMES else None
 
 
 def group_size_for(in_features: int, group: int = GROUP_SIZE) -> int:
@@ -432,5 +436,11 @@ def quantizing_placer(place: Placer, quantize: str | None, dtype, tile: bool = F
 
 
 def quantize_host(array: np.ndarray, bits: int) -> QuantizedWeight:
-    """`quantize` with the int4 group chosen for this weight's input dim."""
-    return quantize(array, bits, group_size_for(array.shape[1]) if bits == 4 else None)
+    """`quantize` with the int4 group chosen for this weight's input dim; stacked experts [E, out, in] expert by
+    expert, their leaves stacked [E, ...] (each expert's bits those of the expert quantized alone)."""
+    if np.ndim(array) == 3:
+        parts = [quantize_host(w, bits) for w in array]
+        leaves = {leaf: np.stack([getattr(w, leaf) for w in parts]) for leaf in ("values", "scale", "zero")
+                  if getattr(parts[0], leaf) is not None}
+        return QuantizedWeight(**leaves, bits=bits)
+    return quantize(array, bits, group_size_for(array.shape[-1]) if bits == 4 else None)

@@ -1,0 +1,86 @@
+"""The sparse MLP of Qwen's mixture-of-experts models (qwen3_moe, qwen2_moe): a router picks `top_k` of
+`num_experts` SwiGLU experts per token, and only those run.
+
+- `route`: router logits in float32 (the hidden state and the router weight widened exactly to float32, one
+  float32 product), softmax over the experts, the top k chosen on the logits (softmax is monotone, and float32
+  logits carry no ties that rounding the probabilities could add: a near-tie never flips an expert between a bf16
+  and a float32 model of the same weights), their probabilities renormalized over the k when `norm_topk_prob`, then
+  cast to the model's dtype as transformers does. Every sum a `fixed_sum`, so a token's experts and weights depend on
+  its own hidden state only.
+- `expert_product`: one (row, expert) pair per row of x against that expert's [out, in] weight. On the native CPU
+  path each pair is pocketjax's product kernel on one row (`cpu_kernels.expert_matmul`: the experts' weights read
+  in place, each weight row once for every pair routed to that expert), so a pair's bits are those of the same row
+  alone: batch-invariant, and a decode step reads only the chosen experts. int8 / int4 experts (`quantize=`, each
+  expert quantized on its own: quant.py) take the quantized kernel the same way (`expert_quantized_matmul`).
+  Elsewhere (a mesh, a GPU, no compiler) the pairs are grouped by expert and multiplied by
+  `jax.lax.ragged_dot_general` (XLA's grouped product; quantized experts dequantized whole first).
+- `sparse_mlp`: the k experts' outputs, each scaled by its routing weight, added in rank order (elementwise adds,
+  never reassociated), plus qwen2_moe's shared expert behind its sigmoid gate.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import cpu_kernels, layers, quant
+from .config import MoeConfig
+from .numerics import fixed_sum, opaque
+from .quant import QuantizedWeight
+
+
+def route(router: jax.Array, x: jax.Array, moe: MoeConfig) -> tuple[jax.Array, jax.Array]:
+    """(weights [N, k] in x's dtype, expert ids int32 [N, k]) for tokens x [N, H]; router [num_experts, H]."""
+    logits = layers.product(x.astype(jnp.float32), router.astype(jnp.float32), "router")
+    top, ids = jax.lax.top_k(logits, moe.top_k)
+    shifted = jnp.exp(logits - top[:, :1])  # the largest logit is the first chosen
+    chosen = jnp.exp(top - top[:, :1]) / fixed_sum(shifted, keepdims=True)
+    if moe.norm_topk_prob:
+        chosen = chosen / fixed_sum(chosen, keepdims=True)
+    return chosen.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def expert_product(x: jax.Array, w: jax.Array | QuantizedWeight, ids: jax.Array) -> jax.Array:
+    """y [P, out], y[p] = x[p] @ w[ids[p]].T for x [P, in], stacked experts w [E, out, in] (float, or int8 / int4
+    expert by expert: quant.py) and ids int32 [P]."""
+    if isinstance(w, QuantizedWeight):
+        if layers.native(x, w.scale) and x.dtype in (jnp.float32, jnp.bfloat16) and cpu_kernels.expert_quantized_applies(w):
+            return cpu_kernels.expert_quantized_matmul(x, w, ids)
+        return grouped_product(x, quant.dequantize(w, x.dtype), ids)  # every expert dequantized: XLA's fallback
+    if w.dtype in (jnp.float32, jnp.bfloat16) and layers.native(x, w):
+        flat = x.astype(jnp.bfloat16) if w.dtype == jnp.bfloat16 else x  # as layers.native_product rounds x
+        return cpu_kernels.expert_matmul(flat, w, ids).astype(x.dtype)
+    return grouped_product(x, w, ids)
+
+
+def grouped_product(x: jax.Array, w: jax.Array, ids: jax.Array) -> jax.Array:
+    """`expert_product` in XLA's forms: the pairs sorted by expert (stably), one `ragged_dot_general` over the groups,
+    the rows put back in order. Not batch-invariant (XLA picks its algorithm by shape)."""
+    order = jnp.argsort(ids, stable=True)
+    sizes = jnp.zeros((w.shape[0],), jnp.int32).at[ids].add(1)
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    y = jax.lax.ragged_dot_general(x[order], w.astype(x.dtype), sizes, dims,
+                                   preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.zeros_like(y).at[order].set(y)
+
+
+def sparse_mlp(p: dict, moe: MoeConfig, x: jax.Array) -> jax.Array:
+    """The sparse block on normed hidden states x [..., H]: sum over the k chosen experts of weight * SwiGLU expert,
+    plus the shared expert scaled by sigmoid(shared_expert_gate(x)) where the model has one (qwen2_moe)."""
+    shape, k = x.shape, moe.top_k
+    flat = x.reshape(-1, shape[-1])
+    weights, ids = route(p["router"], flat, moe)
+    pairs, experts = jnp.repeat(flat, k, axis=0), ids.reshape(-1)  # pair n * k + j: token n, its j-th expert
+    hidden = (jax.nn.silu(expert_product(pairs, p["expert_gate"], experts))
+              * expert_product(pairs, p["expert_up"], experts))
+    y = expert_product(hidden, p["expert_down"], experts).reshape(-1, k, shape[-1])
+    y = opaque(y * weights[..., None])  # each scaled output rounds on its own before the sum (no FMA)
+    out = y[:, 0]
+    for j in range(1, k):  # rank order, one elementwise add at a time
+        out = out + y[:, j]
+    if "shared_gate" in p:
+        shared = layers.linear(jax.nn.silu(layers.linear(flat, p["shared_gate"])) * layers.linear(flat, p["shared_up"]),
+                               p["shared_down"])
+        gate = jax.nn.sigmoid(layers.linear(flat, p["shared_expert_gate"]))
+        out = out + opaque(gate * shared)
+    return out.reshape(shape)

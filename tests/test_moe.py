@@ -1,0 +1,206 @@
+"""Mixture-of-experts models (issue 68): qwen3_moe and qwen2_moe against transformers' Qwen3MoeForCausalLM /
+Qwen2MoeForCausalLM on the same random sharded checkpoints (prefill logits, the engine's cached, batched and chunked
+decode, greedy generation), the parity's power to tell wrong routing from right, the config's rules, and the
+engine's promises that are model-agnostic (pj.logprobs equal to the engine, bit for bit)."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import pocketjax as pj
+from pocketjax.engine.engine import Engine
+from pocketjax.engine.request import BatchedRequest
+from pocketjax.engine.sampling_params import SamplingParams
+from pocketjax.errors import CheckpointError, ConfigError
+from pocketjax.model import cpu_kernels
+from pocketjax.model.config import ModelConfig
+
+from conftest import MOE_CONFIGS, MissingOracle, oracle
+
+torch = oracle("torch")
+transformers = oracle("transformers")
+
+NAMES = list(MOE_CONFIGS)
+TOLERANCE = 1e-5
+
+
+def prompts_of(vocab: int, seed: int, lengths=(5, 19, 11)) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+
+
+def run(engine: Engine, prompts, params: SamplingParams) -> list[BatchedRequest]:
+    """Allocate, prefill and decode to completion together; frees the slots."""
+    reqs = [BatchedRequest(i, list(p), params) for i, p in enumerate(prompts)]
+    for r in reqs:
+        engine.allocate_slot(r)
+    engine.batch_prefill(reqs)
+    while not all(r.finished for r in reqs):
+        engine.batch_decode_step(reqs)
+    for r in reqs:
+        engine.free_slot(r.request_id)
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def moe(moe_checkpoint):
+    """name -> (folder, loaded model, transformers' model of the same folder or None without transformers)."""
+    out = {}
+    for name in NAMES:
+        folder = moe_checkpoint(name)
+        hf = None
+        if not isinstance(transformers, MissingOracle):
+            hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        out[name] = folder, pj.load_model(folder), hf
+    return out
+
+
+def hf_logits(hf, tokens) -> np.ndarray:
+    if hf is None:
+        pytest.skip("needs transformers as the reference (not installed: CI's torch-free leg)")
+    with torch.no_grad():
+        return hf(torch.tensor(np.asarray(tokens))).logits.numpy()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_logits_match_transformers(moe, name):
+    folder, model, hf = moe[name]
+    tokens = np.asarray(prompts_of(model.config.vocab_size, 0, (13, 13)))
+    np.testing.assert_allclose(np.asarray(pj.logits(model, tokens)), hf_logits(hf, tokens), atol=TOLERANCE, rtol=0)
+
+
+def test_stacked_layers_give_the_unrolled_logits(moe):
+    """qwen3_moe's layers are all sparse, so they stack for `lax.scan`: the same logits."""
+    folder, model, _ = moe["qwen3_moe"]
+    stacked = pj.load_model(folder, scan_layers=True)
+    assert stacked.scan_layers and stacked.params["layers"]["expert_gate"].shape[:2] == (2, 8)
+    tokens = np.asarray(prompts_of(model.config.vocab_size, 1, (9,)))
+    np.testing.assert_allclose(np.asarray(pj.logits(stacked, tokens)), np.asarray(pj.logits(model, tokens)),
+                               atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_engine_decode_matches_transformers_generate_and_pj_logprobs(moe, name):
+    """Three prompts batched, prefilled in chunks of 8 then decoded from the cache: each greedy token is transformers'
+    and each token's logprob its log_softmax within the parity bound; and `pj.logprobs` of the prompt and its tokens
+    are the engine's logprobs bit for bit (on the native CPU path)."""
+    folder, model, hf = moe[name]
+    prompts = prompts_of(model.config.vocab_size, 2)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
+    done = run(Engine(model, max_batch_size=4, max_seq_len=64, prefill_chunk=8), prompts, params)
+    if cpu_kernels.available():
+        for req, prompt in zip(done, prompts):
+            scored = np.asarray(pj.logprobs(model, [prompt + req.generated_tokens]))[0, len(prompt) - 1:]
+            assert scored.tolist() == [lp for lp, _ in req.logprobs]
+    if hf is None:
+        pytest.skip("needs transformers as the reference (not installed: CI's torch-free leg)")
+    for req, prompt in zip(done, prompts):
+        ids = torch.tensor([prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                          eos_token_id=None, pad_token_id=None, output_scores=True, return_dict_in_generate=True)
+        assert req.generated_tokens == out.sequences[0, len(prompt):].tolist()
+        want = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, req.generated_tokens)]
+        np.testing.assert_allclose([lp for lp, _ in req.logprobs], want, atol=TOLERANCE, rtol=0)
+
+
+def broken(model, **moe_changes):
+    """The model with its MoE config changed (the same weights): what a routing bug would compute."""
+    config = dataclasses.replace(model.config, moe=dataclasses.replace(model.config.moe, **moe_changes))
+    return dataclasses.replace(model, config=config)
+
+
+@pytest.mark.parametrize("name, change", [
+    ("qwen3_moe", "no norm_topk_prob"), ("qwen2_moe", "norm_topk_prob"), ("qwen3_moe", "top k-1"),
+    ("qwen2_moe", "top k-1"), ("qwen2_moe", "no shared expert")])
+def test_the_parity_bound_tells_wrong_routing_from_right(moe, name, change):
+    """The parity above fails for a model that routes wrongly: renormalizing or not against the config, one expert
+    too few, or qwen2_moe's shared expert dropped, each moves the logits far past the bound."""
+    folder, model, hf = moe[name]
+    tokens = np.asarray(prompts_of(model.config.vocab_size, 0, (13, 13)))
+    k, norm = model.config.moe.top_k, model.config.moe.norm_topk_prob
+    if change == "no shared expert":
+        layers = [{n: w for n, w in p.items() if not n.startswith("shared")} for p in model.params["layers"]]
+        wrong = dataclasses.replace(model, params={**model.params, "layers": layers})
+    else:
+        wrong = broken(model, top_k=k - 1) if change == "top k-1" else broken(model, norm_topk_prob=not norm)
+    error = np.abs(np.asarray(pj.logits(wrong, tokens)) - hf_logits(hf, tokens)).max()
+    assert error > 100 * TOLERANCE, error
+
+
+def test_sparse_layers_follow_transformers_rule():
+    """decoder_sparse_step and mlp_only_layers pick the sparse layers as transformers' decoder layers do."""
+    cfg = dict(MOE_CONFIGS["qwen2_moe"], num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    ours = ModelConfig.from_dict(cfg)
+    assert [ours.sparse(n) for n in range(6)] == [False, True, False, False, False, True]
+    assert ours.mixed_layers
+    if not isinstance(transformers, MissingOracle):
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts",
+                "num_experts_per_tok", "decoder_sparse_step", "mlp_only_layers")
+        hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**{k: cfg[k] for k in keys}))
+        assert [type(layer.mlp).__name__ == "Qwen2MoeSparseMoeBlock" for layer in hf.model.layers] == \
+            [ours.sparse(n) for n in range(6)]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_experts_per_tok=9), "exceeds num_experts"),
+    (dict(mlp_only_layers=[7]), "mlp_only_layers"),
+    (dict(norm_topk_prob="yes"), "norm_topk_prob"),
+    (dict(num_local_experts=4), "disagree"),
+    (dict(moe_intermediate_size=0), "moe_intermediate_size"),
+    (dict(quantization_config={"quant_method": "awq", "bits": 4}), "not supported yet"),
+])
+def test_bad_moe_configs_are_config_errors(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_dict({**MOE_CONFIGS["qwen2_moe"], **change})
+
+
+def test_mixed_layers_refuse_a_stack_and_a_missing_expert_is_named(moe, tmp_path):
+    folder, model, _ = moe["qwen2_moe"]
+    with pytest.raises(ConfigError, match="scan_layers=True"):
+        pj.load_model(folder, scan_layers=True)
+    assert pj.load_model(folder, scan_layers="auto").scan_layers is False
+    import json
+    import shutil
+    copy = shutil.copytree(folder, tmp_path / "copy")
+    index = json.loads((copy / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.2.mlp.experts.5.up_proj.weight"]
+    (copy / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="experts.5.up_proj"):
+        pj.load_model(copy)
+
+
+def test_num_params_counts_experts_and_active_experts():
+    config = ModelConfig.from_dict(MOE_CONFIGS["qwen3_moe"])
+    h, e, i, k = 64, 8, 32, 2
+    assert config.num_params() - config.num_params(active=True) == 2 * (e - k) * 3 * h * i
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: the experts' quantized kernel")
+def test_int8_experts_are_the_float_product_of_their_dequantized_weights(moe):
+    """quantize="int8" quantizes each expert (and the shared expert) per output channel, the router and the shared
+    expert's gate stay float; the int8 kernel is bitwise the float kernel on the dequantized weight, so the logits
+    are those of the float model of the rounded weights, bit for bit."""
+    from pocketjax.model import quant
+
+    folder, model, _ = moe["qwen2_moe"]
+    int8 = pj.load_model(folder, quantize="int8")
+    sparse = int8.params["layers"][0]
+    assert isinstance(sparse["expert_up"], quant.QuantizedWeight) and sparse["expert_up"].values.shape == (8, 32, 64)
+    assert isinstance(sparse["shared_down"], quant.QuantizedWeight)
+    assert sparse["router"].dtype == sparse["shared_expert_gate"].dtype == np.float32
+    rounded = dataclasses.replace(int8, params=quant.dequantize_params(int8.params))
+    tokens = np.asarray(prompts_of(model.config.vocab_size, 4, (11, 11)))
+    np.testing.assert_array_equal(np.asarray(pj.logits(int8, tokens)), np.asarray(pj.logits(rounded, tokens)))
+
+
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_plan_memory_counts_the_experts_as_placed(moe, quantize):
+    from pocketjax.model.memory import per_device_bytes
+
+    folder, model, _ = moe["qwen3_moe"]
+    loaded = model if quantize is None else pj.load_model(folder, quantize=quantize)
+    plan = pj.plan_memory(model.config, dtype="float32", quantize=quantize)
+    assert plan.weights == sum(per_device_bytes(loaded.params).values())
+    assert plan.details["weights.experts"] > plan.details["weights.linear"] > 0
+
