@@ -1,5 +1,5 @@
-"""Random-weight Hugging Face checkpoints for benchmarks: `qwen3-micro` (smoke test), `qwen3-tiny` (CI-fast) and
-`qwen3-0.6b` (real shapes).
+"""Random-weight Hugging Face checkpoints for benchmarks: `qwen3-micro` (smoke test), `qwen3-tiny` (CI-fast),
+`qwen3-0.6b` (real shapes) and `qwen3-moe` (Qwen3-30B-A3B's layers, shallow) beside `qwen3-moe-dense`.
 
 Weights are drawn with numpy and written with pocketjax's safetensors writer, so building the 0.6B preset takes
 seconds and needs no torch. transformers loads the folders as-is (same tensor names, config and dtype).
@@ -35,6 +35,19 @@ PRESETS = {
                           vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
                           tie_word_embeddings=False),
+    # Qwen3-30B-A3B's layer shapes (issue 68: 2048 hidden, 32 / 4 heads of 128, 128 experts of width 768, 8 active,
+    # renormalized) at 4 of its 48 layers: 3.1B parameters (6.2 GB in bfloat16), 0.85B active per token (embedding
+    # and lm_head included: `ModelConfig.num_params(active=True)`). Beside it a
+    # dense Qwen3 with the same active parameters per token (an MLP of 8 x 768 = 6144, the same attention and depth):
+    # what MoE decode is compared against (`bench_engine.py --model qwen3-moe`, then `--model qwen3-moe-dense`)
+    "qwen3-moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936,
+                      hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                      num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                      num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                      max_position_embeddings=40960, tie_word_embeddings=False),
+    "qwen3-moe-dense": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+                            num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                            tie_word_embeddings=False),
 }
 
 
