@@ -2,11 +2,11 @@
 `num_experts` SwiGLU experts per token, and only those run.
 
 - `route`: router logits in float32 (the hidden state and the router weight widened exactly to float32, one
-  float32 product), softmax over the experts, the top k chosen on the logits (softmax is monotone, and float32
-  logits carry no ties that rounding the probabilities could add: a near-tie never flips an expert between a bf16
-  and a float32 model of the same weights), their probabilities renormalized over the k when `norm_topk_prob`, then
-  cast to the model's dtype as transformers does. Every sum a `fixed_sum`, so a token's experts and weights depend on
-  its own hidden state only.
+  float32 product, whatever the model's dtype: the router adds no bf16 rounding of its own to a near-tie), softmax
+  over the experts, the top k chosen on the float32 logits (softmax is monotone, and the logits carry no ties that
+  rounding the probabilities could add), their probabilities renormalized over the k when `norm_topk_prob`, then cast
+  to the model's dtype as transformers does. Every sum a `fixed_sum`, so a token's experts and weights depend on its
+  own hidden state only (whatever the batch, chunk or program: decode, verify and prefill pick alike).
 - `expert_product`: one (row, expert) pair per row of x against that expert's [out, in] weight. On the native CPU
   path each pair is pocketjax's product kernel on one row (`cpu_kernels.expert_matmul`: the experts' weights read
   in place, each weight row once for every pair routed to that expert), so a pair's bits are those of the same row
