@@ -255,7 +255,7 @@ def test_dropped_clients_free_their_slots(llm, server, client):
     ({"prompt": "x", "logit_bias": {"5": 1000}}, None),  # out of OpenAI's [-100, 100]: SamplingParams names it
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),  # a field no endpoint knows: refused by name
     ({"messages": []}, "messages"),
-    ({"messages": [{"content": "no role"}]}, None),
+    ({"messages": [{"content": "no role"}]}, "messages"),  # typed messages: the role names the message's type
 ])
 def test_bad_input_gets_400_and_the_server_keeps_serving(server, client, body, param):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...engine.sampling_params import SamplingParams
+from ...engine.sampling_params import INT32_MAX, MAX_STOP_STRINGS, SamplingParams
 from ...engine.structured import Structured
 from .api_error import APIError
+from .openai_messages import FUNCTION_NAME
+from .openai_protocol import Refused, StopString, TopP, given, unless
+from .openapi import Documented, Int, bounded, plain
 from .tool_calls import ToolRequest, answer_stops, tool_request
 
 CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool_choice type -> OpenAI's
@@ -29,21 +32,136 @@ REFUSED = {"mcp_servers": "the MCP connector is not supported", "context_managem
            "diagnostics": "prompt-cache diagnostics are not supported"}  # Anthropic's features this server lacks
 
 
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextBlock(Strict):
+    type: Literal["text"]
+    text: str
+    cache_control: dict[str, Any] | None = None  # harmless: prefix caching is automatic
+    citations: Annotated[list[Any], Documented(maxItems=0)] | None = None  # none to render: a citation is refused
+
+
+class ToolUseBlock(Strict):
+    """A past call of the assistant's (its input is the arguments object)."""
+
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+    cache_control: dict[str, Any] | None = None
+
+
+class ToolResultBlock(Strict):
+    """A call's result, in a user turn; `is_error` is accepted (the result's text says what went wrong)."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: bool = False
+    cache_control: dict[str, Any] | None = None
+
+
+class ThinkingBlock(Strict):
+    """A past turn's thinking: dropped from the context, as Anthropic drops it."""
+
+    type: Literal["thinking"]
+    thinking: str
+    signature: str
+
+
+class RedactedThinkingBlock(Strict):
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+UserBlock = Annotated[TextBlock | ToolResultBlock, Field(discriminator="type")]
+AssistantBlock = Annotated[TextBlock | ToolUseBlock | ThinkingBlock | RedactedThinkingBlock,
+                           Field(discriminator="type")]
+
+
+class UserTurn(Strict):
+    role: Literal["user"]
+    content: str | list[UserBlock]
+
+
+class AssistantTurn(Strict):
+    role: Literal["assistant"]
+    content: str | list[AssistantBlock]
+
+
+Turn = plain(Annotated[UserTurn | AssistantTurn, Field(discriminator="role")])
+
+
+class InputSchema(BaseModel):
+    """A tool's input: a JSON schema of type object (compiled when the request comes: `tool_calls.tool_request`)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["object"]
+
+
+class ClientTool(Strict):
+    """A tool the client runs (Anthropic's server tools, web search and the like, are refused by their type)."""
+
+    type: Literal["custom"] | None = None
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str = ""
+    input_schema: InputSchema
+    cache_control: dict[str, Any] | None = None  # harmless, as the next two
+    eager_input_streaming: bool | None = None
+    strict: bool | None = None  # the grammar always enforces the schema
+
+
+class ChoiceOf(Strict):
+    type: Literal["auto", "any", "none"]
+    disable_parallel_tool_use: bool = False
+
+
+class NamedTool(Strict):
+    type: Literal["tool"]
+    name: str
+    disable_parallel_tool_use: bool = False
+
+
+class JsonOutput(Strict):
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(Strict):
+    format: JsonOutput | None = None
+    effort: Refused = None  # refused: one effort here
+
+
+class ThinkingOff(Strict):
+    type: Literal["disabled"]
+
+
+# Anthropic's features this server lacks: refused unless null or empty (REFUSED says why)
+RefusedUnlessEmpty = Annotated[Any, Documented(replace=True, anyOf=[
+    {"type": "null"}, {"type": "array", "maxItems": 0}, {"type": "object", "maxProperties": 0}],
+    description="Not supported: refused unless null or empty.")]
+
+
 class CountTokensRequest(BaseModel):
     """What a prompt is made of (all count_tokens reads); an unknown field is a 400 naming it."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # a tool_choice other than none needs tools (`tool_request`)
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"dependentSchemas": {
+        "tool_choice": unless("tool_choice", {"anyOf": [{"type": "null"}, {"properties": {"type": {"const": "none"}}}]},
+                              given("tools"))}})
     model: str
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    output_config: dict[str, Any] | None = None  # format (json_schema) is implemented; effort is refused
-    thinking: dict[str, Any] | None = None  # {"type": "disabled"} only
+    messages: list[Turn] = Field(min_length=1)
+    system: str | list[plain(TextBlock)] | None = None
+    tools: Annotated[list[plain(ClientTool)], Documented(minItems=1)] | None = None
+    tool_choice: plain(Annotated[ChoiceOf | NamedTool, Field(discriminator="type")]) | None = None
+    output_config: plain(OutputConfig) | None = None  # format (json_schema) is implemented; effort is refused
+    thinking: plain(ThinkingOff) | None = None  # {"type": "disabled"} only
     cache_control: dict[str, Any] | None = None  # harmless: prefix caching is automatic here
     speed: str | None = None  # harmless: this server has one speed
-    mcp_servers: Any = None  # refused: no MCP connector
-    context_management: Any = None  # refused: nothing is edited out of the context
+    mcp_servers: RefusedUnlessEmpty = None  # refused: no MCP connector
+    context_management: RefusedUnlessEmpty = None  # refused: nothing is edited out of the context
 
     def check_supported(self) -> None:
         """400 naming the first field asking for what this server does not do (REFUSED, thinking, effort)."""
@@ -75,17 +193,17 @@ class CountTokensRequest(BaseModel):
 class MessagesRequest(CountTokensRequest):
     """A message to create: the prompt fields and how to sample the answer."""
 
-    max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    max_tokens: bounded(ge=1)
+    stop_sequences: Annotated[list[StopString], Documented(maxItems=MAX_STOP_STRINGS)] | None = None
     stream: bool | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = None
-    top_k: int | None = None
+    top_p: TopP | None = None
+    top_k: Annotated[Int, Documented(minimum=0, maximum=INT32_MAX)] | None = None  # 0: off
     metadata: dict[str, Any] | None = None  # harmless: a user id for abuse tracking
     service_tier: str | None = None  # harmless: one tier
     inference_geo: str | None = None  # harmless: one place
-    container: Any = None  # refused: no code-execution containers
-    diagnostics: Any = None  # refused: no prompt-cache diagnostics
+    container: RefusedUnlessEmpty = None  # refused: no code-execution containers
+    diagnostics: RefusedUnlessEmpty = None  # refused: no prompt-cache diagnostics
 
     def sampling(self, max_tokens: int, structured: Structured | None, tools: ToolRequest | None) -> SamplingParams:
         """How to sample the answer; stop_sequences end text, never a call that tool_choice forces (`answer_stops`)."""

@@ -121,6 +121,10 @@ def completions_router(ctx: ServeContext) -> APIRouter:
         prompt = body.truncated(prompt, llm.engine.max_seq_len)
         top = (body.top_logprobs or 0) if body.logprobs else None
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if body.max_completion_tokens is not None and body.max_tokens is not None:  # the newer name wins; the
+            if body.max_tokens < 1:  # older still holds to its range, as the document says
+                raise APIError(400, "max_tokens must be >= 1", param="max_tokens")
+            ctx.budget(prompt, body.max_tokens, None)
         sampling = body.sampling(ctx.budget(prompt, asked, None), top or 0, body.prompt_logprobs,
                                  structured=structured, tools=tools)
         handles = await ctx.submit([(prompt, with_seed(sampling, i)) for i in range(body.n or 1)], "n",

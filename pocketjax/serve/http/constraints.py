@@ -14,18 +14,22 @@ schema, regex or grammar compiles is the engine's to say (at submit); the server
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ...engine.structured import Structured
 from .api_error import APIError
+from .openapi import Documented
 from .tool_calls import close_schema
 
 # vLLM's removed extras -> what replaced them (in its structured_outputs object)
 GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
           "guided_json_object": "json_object", "guided_decoding_backend": None, "guided_whitespace_pattern": None}
 UNSUPPORTED = ("structural_tag", "whitespace_pattern", "disable_any_whitespace", "disable_additional_properties")
+Removed = Annotated[Any, Documented(replace=True, type="null", description="Removed upstream: refused unless null.")]
+Unsupported = Annotated[Any, Documented(replace=True, enum=[None, False], description="Not supported: refused "
+                                                                                      "unless null or false.")]
 
 
 class JsonSchemaFormat(BaseModel):
@@ -105,10 +109,10 @@ class StructuredOutputs(BaseModel):
     choice: list[str] | None = Field(default=None, min_length=1)
     grammar: str | None = None
     json_object: bool | None = None
-    structural_tag: Any = None
-    whitespace_pattern: Any = None
-    disable_any_whitespace: Any = None
-    disable_additional_properties: Any = None
+    structural_tag: Unsupported = None
+    whitespace_pattern: Unsupported = None
+    disable_any_whitespace: Unsupported = None
+    disable_additional_properties: Unsupported = None
 
     def structured(self) -> Structured:
         for name in UNSUPPORTED:
@@ -140,13 +144,14 @@ class ConstraintFields(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    guided_json_object: Any = None
-    guided_decoding_backend: Any = None
-    guided_whitespace_pattern: Any = None
+    # vLLM's removed spellings: refused unless null, naming what replaced them (`constraint`)
+    guided_json: Removed = None
+    guided_regex: Removed = None
+    guided_choice: Removed = None
+    guided_grammar: Removed = None
+    guided_json_object: Removed = None
+    guided_decoding_backend: Removed = None
+    guided_whitespace_pattern: Removed = None
 
     def constraint(self) -> tuple[Structured | None, str | None]:
         """The request's constraint and the field it came from (what a 400 about it names), or (None, None)."""

@@ -9,14 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...engine.sampling_params import SamplingParams
+from ...engine.sampling_params import (FLOAT32_MAX, INT32_MAX, LOGIT_BIAS_RANGE, MAX_BAD_WORDS, MAX_LOGIT_BIAS,
+                                       MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, PENALTY_RANGE,
+                                       SamplingParams)
 from ...engine.structured import Structured
 from .api_error import APIError
 from .constraints import ConstraintFields
+from .openai_messages import ChatMessage, Function, FunctionCallChoice, Tool, ToolChoice
+from .openapi import TOKEN_ID, Documented, Int, bounded
 from .tool_calls import (ToolRequest, answer_stops, banned_words, legacy_tool_request, template_messages,
                          tool_request)
 
@@ -29,6 +33,47 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = None  # vLLM's extension: usage so far in every chunk
 
 
+# reasoning_effort -> Qwen3's enable_thinking: the low efforts answer without thinking, the others think
+REASONING_EFFORTS = {"none": False, "minimal": False, "low": False, "medium": True, "high": True, "xhigh": True}
+# The ranges SamplingParams.validate enforces (and names), declared in the document (`Documented`)
+Temperature = Annotated[float, Documented(minimum=0, maximum=FLOAT32_MAX)]
+Probability = Annotated[float, Documented(minimum=0, maximum=1)]
+TopP = Annotated[float, Documented(exclusiveMinimum=0, maximum=1)]
+Penalty = Annotated[float, Documented(minimum=-PENALTY_RANGE, maximum=PENALTY_RANGE)]
+RepetitionPenalty = Annotated[float, Documented(exclusiveMinimum=0, maximum=FLOAT32_MAX)]
+TopK = Annotated[Int, Documented(minimum=-1, maximum=INT32_MAX)]  # -1 and 0: off
+Seed = Annotated[Int, Documented(minimum=0, maximum=2**32 - 1)]
+TopLogprobs = Annotated[Int, Documented(minimum=0, maximum=MAX_LOGPROBS)]
+TokenId = Annotated[Int, Documented(minimum=0, **{TOKEN_ID: True})]  # below the vocabulary size (install_openapi)
+StopString = Annotated[str, Documented(minLength=1)]
+Stop = StopString | Annotated[list[StopString], Documented(maxItems=MAX_STOP_STRINGS)]  # in all MAX_STOP_CHARS
+Bias = Annotated[float, Documented(minimum=-LOGIT_BIAS_RANGE, maximum=LOGIT_BIAS_RANGE)]
+LogitBias = Annotated[dict[str, Bias], Documented(maxProperties=MAX_LOGIT_BIAS, propertyNames={"pattern": "^[0-9]+$"})]
+Text = Annotated[str, Documented(minLength=1)]
+TokenIds = Annotated[list[TokenId], Documented(minItems=1)]
+Prompt = Text | Annotated[list[Text], Documented(minItems=1)] | TokenIds | Annotated[list[TokenIds], Documented(
+    minItems=1)]
+# a field this server refuses unless null (its `check_supported` says why, naming it)
+Refused = Annotated[Any, Documented(replace=True, type="null", description="Not supported: refused unless null.")]
+
+
+def unless(field: str, values: list[Any] | dict[str, Any], rule: dict[str, Any]) -> dict[str, Any]:
+    """A dependentSchemas rule: `field` is one of `values` (or meets that schema), or the body meets `rule`."""
+    return {"anyOf": [{"properties": {field: {"enum": values} if isinstance(values, list) else values}}, rule]}
+
+
+def given(field: str) -> dict[str, Any]:
+    """A rule: `field` is there, a list."""
+    return {"required": [field], "properties": {field: {"type": "array"}}}
+
+
+def no_tools(rule: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`rule` (if any), and none of the tool fields set (the deprecated functions stand alone)."""
+    rule = rule or {}
+    return {**rule, "properties": {**rule.get("properties", {}), **{
+        name: {"type": "null"} for name in ("tools", "tool_choice", "parallel_tool_calls")}}}
+
+
 class SamplingFields(BaseModel):
     """The fields every OpenAI endpoint shares (OpenAI's, plus vLLM's top_k, min_p, repetition_penalty, ignore_eos,
     stop_token_ids); each endpoint's body (CompletionRequest, ChatCompletionRequest, ResponsesRequest) refuses the
@@ -36,22 +81,22 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_tokens: Annotated[Int, Documented(minimum=1)] | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    seed: Seed | None = None
+    stop: Stop | None = None
+    stop_token_ids: Annotated[list[TokenId], Documented(maxItems=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
-    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    n: bounded(ge=1, le=MAX_N) | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
+    logit_bias: LogitBias | None = None  # token id (as a string) -> bias in [-100, 100]
     user: str | None = None  # accepted and ignored
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:N" (never ambiguous)
 
@@ -62,7 +107,7 @@ class SamplingFields(BaseModel):
         """logit_bias with its keys as token ids (OpenAI sends them as strings); 400 for a key that is not one."""
         out = {}
         for key, bias in (self.logit_bias or {}).items():
-            if not key.strip().isdigit():
+            if not key.isascii() or not key.isdigit():  # as the document's pattern: "5", never " 5" nor "\u0665"
                 raise APIError(400, f"logit_bias keys must be token ids, got {key!r:.40}", param="logit_bias")
             out[int(key)] = bias
         return out
@@ -107,7 +152,7 @@ class HarmlessFields(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prediction: dict[str, Any] | None = None
-    priority: int | None = None
+    priority: Int | None = None
     request_id: str | None = None
 
 
@@ -115,17 +160,19 @@ class VllmFields(BaseModel):
     """vLLM's extras that change the output, implemented with vLLM's names and meaning (`SamplingParams`)."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    min_tokens: int | None = None
+    min_tokens: Annotated[Int, Documented(minimum=0)] | None = None  # at most max_tokens
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    prompt_logprobs: int | None = None  # each prompt token's logprob and top-k, in the response's prompt_logprobs
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep the last k (-1: as many as fit)
-    use_beam_search: bool | None = None  # not implemented: true is a 400
+    allowed_token_ids: Annotated[list[TokenId], Documented(minItems=1)] | None = None
+    bad_words: Annotated[list[Annotated[str, Documented(pattern=r"\S")]], Documented(maxItems=MAX_BAD_WORDS)
+                         ] | None = None
+    prompt_logprobs: TopLogprobs | None = None  # each prompt token's logprob and top-k, in prompt_logprobs
+    # keep the last k (-1: as many as fit); 0 is refused (check_supported)
+    truncate_prompt_tokens: Annotated[bounded(ge=-1), Documented(**{"not": {"const": 0}})] | None = None
+    use_beam_search: Annotated[bool, Documented(enum=[False])] | None = None  # not implemented: true is a 400
     # pocketjax's own: steering vectors {"layer": [hidden_size floats]} added to the residual stream after that
     # layer (`SamplingParams.steer`: data, no new program)
-    steer: dict[str, list[float]] | None = None
+    steer: Annotated[dict[str, list[float]], Documented(propertyNames={"pattern": "^[0-9]+$"})] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -148,7 +195,7 @@ class VllmFields(BaseModel):
                                                         "skip_special_tokens", "allowed_token_ids", "bad_words")}
         extras = {name: value for name, value in given.items() if value is not None}
         if self.steer is not None:
-            if not all(k.isdigit() for k in self.steer):
+            if not all(k.isascii() and k.isdigit() for k in self.steer):
                 raise APIError(400, "steer maps layer numbers (\"0\", \"1\", ...) to vectors", param="steer")
             extras["steer"] = {int(k): v for k, v in self.steer.items()}
         return extras
@@ -166,11 +213,12 @@ class CompletionRequest(VllmFields, HarmlessFields, SamplingFields, ConstraintFi
     """POST /v1/completions' body: a field not declared here (or in its bases) is a 400 naming it."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
+    max_tokens: Annotated[Int, Documented(minimum=0)] | None = None  # 0: score the prompt (needs echo)
     echo: bool | None = None
-    logprobs: int | None = None
-    suffix: str | None = None  # not supported
-    best_of: int | None = None  # only best_of == n (no extra candidates)
+    logprobs: TopLogprobs | None = None
+    suffix: Annotated[str, Documented(maxLength=0)] | None = None  # not supported
+    best_of: Annotated[Int, Documented(minimum=1, maximum=MAX_N)] | None = None  # only best_of == n
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -183,23 +231,31 @@ class CompletionRequest(VllmFields, HarmlessFields, SamplingFields, ConstraintFi
 class ChatCompletionRequest(VllmFields, HarmlessFields, SamplingFields, ConstraintFields):
     """POST /v1/chat/completions' body: a field not declared here (or in its bases) is a 400 naming it."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    # `tool_request`'s rules across fields: a tool_choice needs tools, and the deprecated form stands alone
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"dependentSchemas": {
+        "tool_choice": unless("tool_choice", [None, "none"], given("tools")),  # given: a list of one or more
+        "functions": unless("functions", [None], no_tools()),
+        "function_call": unless("function_call", [None], no_tools(given("functions")))}})
+    messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    top_logprobs: TopLogprobs | None = None
+    max_completion_tokens: Annotated[Int, Documented(minimum=1)] | None = None  # max_tokens' newer name; wins
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": false}
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: Annotated[list[Tool], Documented(minItems=1)] | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    functions: list[Any] | None = None  # OpenAI's deprecated tools: mapped to tools (tool_calls.legacy_tool_request)
-    function_call: str | dict[str, Any] | None = None  # ... and tool_choice; the answer says function_call
+    # OpenAI's deprecated tools: mapped to tools (tool_calls.legacy_tool_request) and tool_choice; the answer says
+    # function_call
+    functions: Annotated[list[Function], Documented(minItems=1)] | None = None
+    function_call: FunctionCallChoice | None = None
     echo: bool | None = None  # vLLM: the last message's content starts the reply when it has the reply's role
     add_generation_prompt: bool | None = None  # default true
     continue_final_message: bool | None = None  # the reply continues the last (assistant) message
     chat_template: str | None = None  # a name of the checkpoint's templates, or (trusted servers) a template
-    reasoning_effort: str | None = None  # Qwen3's enable_thinking: none/minimal/low -> off, medium/high -> on
-    modalities: list[str] | None = None  # ["text"] only
+    # Qwen3's enable_thinking: none/minimal/low -> off, medium/high -> on
+    reasoning_effort: Annotated[str, Documented(enum=list(REASONING_EFFORTS))] | None = None
+    modalities: Annotated[list[Annotated[str, Documented(enum=["text"])]], Documented(minItems=1, maxItems=1)
+                          ] | None = None  # ["text"] only
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -212,7 +268,8 @@ class ChatCompletionRequest(VllmFields, HarmlessFields, SamplingFields, Constrai
             raise APIError(400, f"modalities: this server answers with text only, got {self.modalities!r:.60}",
                            param="modalities")
         if self.reasoning_effort is not None and self.reasoning_effort not in REASONING_EFFORTS:
-            raise APIError(400, f"reasoning_effort must be one of {sorted(REASONING_EFFORTS)}", param="reasoning_effort")
+            raise APIError(400, f"reasoning_effort must be one of {sorted(REASONING_EFFORTS)}",
+                           param="reasoning_effort")
 
     def reply_role(self) -> str:
         """The role of the message being written (vLLM): the assistant's after a generation prompt, else the last
@@ -284,6 +341,8 @@ def chat_messages(messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                                    param="messages")
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             message = {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
+        if isinstance(message, dict) and message.get("role") == "developer":  # OpenAI's newer name for system
+            message = {**message, "role": "system"}
         out.append(message)
     return template_messages(out)
 
@@ -296,8 +355,6 @@ def with_seed(sampling: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(sampling, seed=(sampling.seed + index) % 2**32)
 
 
-# reasoning_effort -> Qwen3's enable_thinking: the low efforts answer without thinking, the others think
-REASONING_EFFORTS = {"none": False, "minimal": False, "low": False, "medium": True, "high": True, "xhigh": True}
 # chat_template_kwargs set template variables only: these would replace the template or the conversation
 RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "messages", "conversation", "tools", "documents",
                                       "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",

@@ -11,11 +11,51 @@ taken out of the document.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel, BeforeValidator, Field, GetJsonSchemaHandler
+from pydantic_core import CoreSchema
+
+
+class Documented:
+    """JSON-schema keywords a field's value meets, declared in the document and enforced by the code that owns the
+    rule (`SamplingParams.validate` for ranges, `check_supported` for what is refused), which names the field in its
+    own words; pydantic does not check them. `replace`: these keywords are the whole schema (for `Any` fields).
+
+    The fuzzer holds the two together: a value the document refuses must be refused (negative_data_rejection)."""
+
+    def __init__(self, replace: bool = False, **keywords: Any):
+        self.replace, self.keywords = replace, keywords
+
+    def __get_pydantic_json_schema__(self, core: CoreSchema, handler: GetJsonSchemaHandler) -> dict[str, Any]:
+        return dict(self.keywords) if self.replace else {**handler(core), **self.keywords}
+
+
+def whole(value: Any) -> Any:
+    """JSON's 5.0 as the integer 5 (JSON Schema's `integer` admits it, and generated clients send it); anything
+    else as it came, for pydantic's strict int to judge (5.5 and "5" stay 400s)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+Int = Annotated[int, BeforeValidator(whole)]  # every integer field of a request body
+
+
+def bounded(**bounds: int) -> Any:
+    """An `Int` that pydantic holds within `bounds` (ge, le): they must reach the int itself, inside the before-
+    validator, to be checked and declared as minimum / maximum."""
+    return Annotated[int, Field(**bounds), BeforeValidator(whole)]
+
+
+def dumped(value: BaseModel) -> dict[str, Any]:
+    return value.model_dump(exclude_unset=True, by_alias=True)
+
+
+def plain(model: Any) -> Any:
+    """`model` validated at the edge (its schema in the document, its errors 400s naming the field) and kept as the
+    plain JSON it came as (the keys given, nothing added), which the chat templates and the code after them read."""
+    return Annotated[model, AfterValidator(dumped)]
 
 
 class ErrorObject(BaseModel):
@@ -58,7 +98,14 @@ WHY = {
          "`stopped` (the server is shutting down).",
 }
 RETRY_AFTER = {"description": "Seconds to wait before retrying.", "schema": {"type": "integer", "minimum": 1}}
-REQUEST_ID = {"description": "The answer's id (`req_...`), as Anthropic names each answer.", "schema": {"type": "string"}}
+REQUEST_ID = {"description": "The answer's id (`req_...`), as Anthropic names each answer.",
+              "schema": {"type": "string"}}
+# one server-sent event, as OpenAPI 3.1 describes a stream's items (`stream: true`): the OpenAI routes send data only
+# (JSON chunks, then `[DONE]`), Responses and Anthropic's name each event's type too
+SSE_EVENT = {"type": "object", "required": ["data"], "description": "One server-sent event of the stream.",
+             "properties": {"event": {"type": "string"},
+                            "data": {"type": "string", "description": "A JSON object (or, last on the OpenAI "
+                                                                      "routes, `[DONE]`)."}}}
 ANSWERED = (400, 404, 408, 413, 500)  # every route with a body: the guard's and the handlers' errors
 GENERATION = (*ANSWERED, 429, 503)  # routes that run the engine: a full queue, warming up, stopping
 
@@ -87,8 +134,7 @@ def answers(model: type[BaseModel] | None, *statuses: int, stream: bool = False,
     if model is not None:
         ok["model"] = model
     if stream:
-        ok["content"] = {"text/event-stream": {"schema": {"type": "string", "description": "Server-sent events "
-                                                          "(`stream: true`)"}}}
+        ok["content"] = {"text/event-stream": {"schema": SSE_EVENT}}
     if anthropic:
         ok["headers"] = {"request-id": REQUEST_ID}
     return {200: ok, **errors(*statuses, anthropic=anthropic)}
@@ -106,7 +152,7 @@ def get_and_head(router: Any, path: str, **options: Any) -> Callable[[Callable],
     return register
 
 
-def install_openapi(app: FastAPI, *, model_name: str, max_seq_len: int, max_choices: int,
+def install_openapi(app: FastAPI, *, model_name: str, max_seq_len: int, max_choices: int, vocab_size: int,
                     api_key: bool) -> None:
     """Make `app.openapi()` the published document (built once, then cached by FastAPI's rule)."""
 
@@ -114,7 +160,7 @@ def install_openapi(app: FastAPI, *, model_name: str, max_seq_len: int, max_choi
         if app.openapi_schema is None:
             app.openapi_schema = finished(get_openapi(title=app.title, version=app.version, routes=app.routes,
                                                       description=DESCRIPTION),
-                                          model_name, max_seq_len, max_choices, api_key)
+                                          model_name, max_seq_len, max_choices, vocab_size, api_key)
         return app.openapi_schema
 
     app.openapi = document  # type: ignore[method-assign]
@@ -124,14 +170,17 @@ DESCRIPTION = ("pocketjax's OpenAI- and Anthropic-compatible API over one model.
                "declared; a request the schema refuses is refused by the server (a 400 naming the field), and the "
                "rules no schema can say (prompt length against the context, `n` x prompts, `max_tokens: 0` needs "
                "`echo`, ...) are listed in docs/serving-api.md.")
+TOKEN_ID = "x-token-id"  # marks a token id's schema: install_openapi bounds it by the vocabulary
 UNGUARDED = ("/health", "/metrics")  # as http_guard.OPEN_PATHS: probes and scrapers need no key
 MODEL_FIELDS = ("model",)
 TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-def finished(doc: dict[str, Any], model_name: str, max_seq_len: int, max_choices: int, api_key: bool) -> dict:
-    """FastAPI's document with 422 and its schemas taken out, `model` pinned to the served name, the token and
-    choice limits of this server in the request schemas, and with a key the two key schemes on guarded routes."""
+def finished(doc: dict[str, Any], model_name: str, max_seq_len: int, max_choices: int, vocab_size: int,
+             api_key: bool) -> dict:
+    """FastAPI's document with 422 and its schemas taken out, `model` pinned to the served name, the token, choice
+    and vocabulary limits of this server in the request schemas, and with a key the two key schemes on guarded
+    routes."""
     for path, operations in doc["paths"].items():
         for operation in operations.values():
             operation["responses"].pop("422", None)
@@ -145,6 +194,7 @@ def finished(doc: dict[str, Any], model_name: str, max_seq_len: int, max_choices
     for name in ("HTTPValidationError", "ValidationError"):
         schemas.pop(name, None)
     for schema in schemas.values():
+        bound_token_ids(schema, vocab_size)
         properties = schema.get("properties", {})
         for name in MODEL_FIELDS:
             if name in properties:
@@ -185,3 +235,16 @@ def bound(prop: dict[str, Any], key: str, value: int) -> None:
     for branch in prop.get("anyOf", [prop]):
         if branch.get("type") == "integer":
             branch[key] = min(value, branch.get(key, value))
+
+
+def bound_token_ids(schema: Any, vocab_size: int) -> None:
+    """Every schema marked a token id (TOKEN_ID), anywhere in `schema`, at most vocab_size - 1."""
+    if isinstance(schema, dict):
+        if schema.pop(TOKEN_ID, False):
+            schema["maximum"] = vocab_size - 1
+        for value in schema.values():
+            bound_token_ids(value, vocab_size)
+    elif isinstance(schema, list):
+        for value in schema:
+            bound_token_ids(value, vocab_size)
+

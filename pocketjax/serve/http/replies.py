@@ -128,6 +128,21 @@ class ErrorResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
+def field_path(body: Any, problem: dict[str, Any]) -> str:
+    """Where in the body a validation problem is, as the API spells it (`messages[0].content[1].text`): pydantic's
+    location walked through the body itself, so the names of union members and tags it adds are left out."""
+    path, value = "", body
+    parts = [part for part in problem.get("loc", ()) if part != "body"]
+    for i, part in enumerate(parts):
+        if isinstance(part, int) and isinstance(value, list) and 0 <= part < len(value):
+            path, value = f"{path}[{part}]", value[part]
+        elif isinstance(value, dict) and part in value:
+            path, value = f"{path}.{part}" if path else str(part), value[part]
+        elif i == len(parts) - 1 and problem.get("type") in ("missing", "extra_forbidden"):
+            path += f".{part}" if path else str(part)
+    return path or "body"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Every error answers with OpenAI's error object: validation failures and malformed JSON as 400 (FastAPI
     would say 422), typed pocketjax errors by kind, unknown routes as 404, anything else as 500."""
@@ -144,8 +159,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
         else:
-            message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}"
-                                for e in problems[:3])
+            said = dict.fromkeys(f"{field_path(error.body, e)}: {e['msg']}" for e in problems)
+            message = "; ".join(list(said)[:3])
             param = loc[0] if loc else None
         return ErrorResponse(error_body(message, param=param), status_code=400)
 

@@ -23,17 +23,18 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from ...errors import PocketJaxError
 from .api_error import APIError
 from .constraints import TextFormat
 from .context import finish_all, merged
-from .openapi import GENERATION, answers
-from .openai_protocol import HarmlessFields, SamplingFields, with_seed
+from .openai_messages import FUNCTION_NAME
+from .openai_protocol import HarmlessFields, Refused, SamplingFields, given, unless, with_seed
+from .openapi import GENERATION, Documented, Int, answers, bounded, plain
 from .replies import event_stream
 from .response_models import Response
 from .tool_call_parser import Arguments, ToolCall, ToolCallParser
@@ -47,34 +48,116 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
+class Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+Status = Literal["in_progress", "completed", "incomplete"]
+
+
+class TextPart(Strict):
+    """A message's text (input_text; output_text when a client replays an answer, with its annotations)."""
+
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+    annotations: list[Any] | None = None
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[TextPart]
+    id: str | None = None
+    status: Status | None = None
+
+
+class FunctionCallItem(Strict):
+    """A past call (an agent loop sends its calls back with their outputs)."""
+
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: Status | None = None
+
+
+class FunctionCallOutputItem(Strict):
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | list[TextPart]
+    id: str | None = None
+    status: Status | None = None
+
+
+def item_kind(item: Any) -> str | None:
+    """An input item's type: a message when it names none (OpenAI's EasyInputMessage)."""
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
+
+
+InputItem = plain(Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
+                            | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                            Discriminator(item_kind)])
+
+
+class FunctionTool(Strict):
+    """A Responses function tool (flat; the chat endpoint's nests the function)."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str = ""
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool = False
+
+
+class NamedFunction(Strict):
+    type: Literal["function"]
+    name: str
+
+
+class TextOptions(Strict):
+    format: TextFormat | None = None
+
+
+NOTHING = {"maxProperties": 0}  # an option refused unless empty (`check_supported` names it)
+
+
 class ResponsesRequest(HarmlessFields, SamplingFields):
     """OpenAI's response-create body (the fields a stateless text server can honour), plus the sampling extras
     both other endpoints take (top_k, min_p, penalties, seed, stop...) and the fields that never change an answer
     (`HarmlessFields`, `user`); a field not declared here is a 400 naming it, as on the chat endpoint."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")
-    input: str | list[dict[str, Any]]
+    # a tool_choice that asks for a call needs tools (`tool_request`)
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"dependentSchemas": {
+        "tool_choice": unless("tool_choice", [None, "none", "auto"], {**given("tools"), "properties": {
+            "tools": {"type": "array", "minItems": 1}}})}})
+    input: str | Annotated[list[InputItem], Documented(minItems=1)]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: Annotated[Int, Documented(minimum=1)] | None = None
     store: bool | None = None  # accepted; nothing is ever stored
     metadata: dict[str, str] | None = None  # echoed back
-    previous_response_id: str | None = None
-    tools: list[Any] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[plain(FunctionTool)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | plain(NamedFunction) | None = None
     parallel_tool_calls: bool | None = None
-    text: dict[str, Any] | None = None
-    reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
-    truncation: str | None = None
-    background: bool | None = None
-    top_logprobs: int | None = None
-    conversation: str | dict[str, Any] | None = None
-    prompt: dict[str, Any] | None = None
-    n: int | None = Field(default=None, ge=1, le=1)
+    text: plain(TextOptions) | None = None
+    n: bounded(ge=1, le=1) | None = None
     prompt_cache_retention: str | None = None  # a caching hint (as prompt_cache_key): accepted and ignored
+    # refused (`check_supported` says why, naming them): declared so that the document says so
+    previous_response_id: Refused = None
+    conversation: Refused = None
+    prompt: Refused = None
+    reasoning: Annotated[dict[str, Any], Documented(**NOTHING)] | None = None
+    include: Annotated[list[str], Documented(maxItems=0)] | None = None
+    truncation: Annotated[str, Documented(enum=["disabled"])] | None = None
+    background: Annotated[bool, Documented(enum=[False])] | None = None
+    top_logprobs: Annotated[Int, Documented(enum=[0])] | None = None
+    max_tokens: Refused = None  # spelled max_output_tokens here
+    return_tokens_as_token_ids: Annotated[bool, Documented(enum=[False])] | None = None
+    stream_options: Refused = None
     # the other endpoints' constraint fields: they would change the output, so they are refused here by name
-    response_format: Any = None
-    structured_outputs: Any = None
+    response_format: Refused = None
+    structured_outputs: Refused = None
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -63,8 +63,9 @@ def create_app(llm: LLM, *, model_name: str | None = None, api_key: str | None =
     readiness = Readiness() if readiness is None else readiness
     app = FastAPI(title="pocketjax", version="0.1.0")
     install_error_handlers(app)
+    vocab = max(llm.tokenizer.vocab_size, llm.model.config.vocab_size)  # every id one of them refuses is refused
     install_openapi(app, model_name=name, max_seq_len=llm.engine.max_seq_len, max_choices=limits.max_choices,
-                    api_key=api_key is not None)
+                    vocab_size=vocab, api_key=api_key is not None)
     shapes = {"/v1/messages": anthropic_error}
     app.add_middleware(WarmupGate, readiness=readiness, error_shapes=shapes)  # inside the guard: the key comes first
     app.add_middleware(HTTPGuard, api_key=api_key, limits=limits, error_shapes=shapes)
@@ -194,3 +195,19 @@ class BackgroundServer:
         self._server.should_exit = True
         self._thread.join(timeout=30)
         self._socket.close()
+
+
+def main() -> None:
+    """Print the document `pocketjax serve` publishes with its defaults (the embedded model, no key), which
+    docs/openapi.json holds: `python -m pocketjax.serve.http.server > docs/openapi.json` (tests/test_openapi.py
+    compares them)."""
+    import json
+
+    from ..llm import LLM
+
+    with LLM(warmup=False) as llm:
+        print(json.dumps(create_app(llm).openapi(), indent=2, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .api_error import APIError
 from .openapi import ANSWERED, answers, get_and_head
-from .openai_protocol import chat_messages, template_options
+from .openai_messages import ChatMessage, Tool
+from .openai_protocol import TokenId, chat_messages, template_options
 from .response_models import Text, Tokens
 
 if TYPE_CHECKING:
@@ -28,20 +29,20 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")  # an unknown field is a 400 naming it
     model: str | None = None
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None  # only a name of one of the checkpoint's own templates
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Tool] | None = None
     return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")  # an unknown field is a 400 naming it
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def tokenization_router(ctx: ServeContext) -> APIRouter:

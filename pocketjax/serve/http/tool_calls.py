@@ -278,6 +278,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         message = legacy_message(message)
         calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        if message.get("role") == "assistant" and message.get("content") is None:  # OpenAI's: optional there
+            message = {**message, "content": ""}
         if calls:
             if not isinstance(calls, list):
                 raise APIError(400, f"messages[{i}].tool_calls must be a list", param="messages")
@@ -300,7 +302,7 @@ def legacy_message(message: Any) -> Any:
         return {**rest, "tool_calls": [{"id": f"call_{name}", "type": "function", "function": call}]}
     if message.get("role") == "function":  # the result of the last call of that name
         return {"role": "tool", "tool_call_id": f"call_{message.get('name')}", "name": message.get("name"),
-                "content": message.get("content")}
+                "content": message.get("content") or ""}  # null: a function that returned nothing
     return message
 
 
