@@ -130,9 +130,13 @@ def test_engine_decode_matches_transformers_generate_and_pj_logprobs(moe, name):
         ids = torch.tensor([prompt])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
                           eos_token_id=None, pad_token_id=None, output_scores=True, return_dict_in_generate=True)
-        assert req.generated_tokens == out.sequences[0, len(prompt):].tolist()
-        want = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, req.generated_tokens)]
-        np.testing.assert_allclose([lp for lp, _ in req.logprobs], want, atol=TOLERANCE, rtol=0)
+        ref = out.sequences[0, len(prompt):].tolist()
+        same = next((i for i, (a, b) in enumerate(zip(req.generated_tokens, ref)) if a != b), len(ref))
+        if same < len(ref):  # allowed only where transformers' top-2 logits are a near-tie (as for dense models)
+            top2 = torch.topk(out.scores[same][0], 2).values
+            assert float(top2[0] - top2[1]) < 1e-4, (same, req.generated_tokens, ref)
+        want = [float(torch.log_softmax(s[0].double(), -1)[t]) for s, t in zip(out.scores, ref[:same])]
+        np.testing.assert_allclose([lp for lp, _ in req.logprobs[:same]], want, atol=TOLERANCE, rtol=0)
 
 
 def broken(model, **moe_changes):
