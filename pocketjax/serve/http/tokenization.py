@@ -26,7 +26,10 @@ if TYPE_CHECKING:
 class TokenizeRequest(BaseModel):
     """vLLM's TokenizeCompletionRequest and TokenizeChatRequest in one: `prompt` or `messages`."""
 
-    model_config = ConfigDict(strict=True, extra="forbid")  # an unknown field is a 400 naming it
+    # an unknown field is a 400 naming it; exactly one of prompt and messages (the route says so too)
+    model_config = ConfigDict(strict=True, extra="forbid", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}}]})
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
