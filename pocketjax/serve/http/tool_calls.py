@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...engine.sampling_params import SamplingParams
 from ...engine.structured import Structured, llguidance_module
 from ...errors import StructuredOutputError
 from .api_error import APIError
@@ -184,11 +185,16 @@ def answer_stops(tools: ToolRequest | None, stops: str | Sequence[Any] | None) -
     forces the answer to be calls. A forced answer has no text for a stop to end, and one matched inside a call
     (`stop: ["\\n"]` before its JSON, a "}" inside it) left no call or broken JSON; the grammar ends the answer after
     its last call. Every route with tools takes its stops through here (OpenAI's stop and stop_token_ids,
-    Anthropic's stop_sequences)."""
+    Anthropic's stop_sequences). Stops left out are still refused where they are malformed, as they would be without
+    tools (the document's ranges hold whatever tool_choice says)."""
     if stops is None:
         return ()
     stops = (stops,) if isinstance(stops, str) else tuple(stops)
-    return () if tools is not None and tools.enforced else stops
+    if tools is not None and tools.enforced:
+        field = "stop" if all(isinstance(s, str) for s in stops) else "stop_token_ids"
+        SamplingParams(max_tokens=1, **{field: stops}).validate()
+        return ()
+    return stops
 
 
 def answer_format(tools: ToolRequest | None, structured: Structured | None, field: str | None) -> Structured | None:
