@@ -130,3 +130,40 @@ def test_decode_steps_give_the_tokens_of_single_steps(embedded):
         multi, most = served(*embedded, steps)
         assert most > 1  # several tokens arrived from one dispatch
         assert multi == single
+
+
+def test_an_admission_reads_nothing_before_the_next_decode_is_queued(hf_checkpoint, monkeypatch):
+    """A step that admits a request while another decodes queues the prefill, its first-token sampler and the next
+    decode step before any host read: the first token stays on device (in the slot's state) and is read with the
+    decode step before it, not at once (a drain per admission)."""
+    import pocketjax.engine.engine as engine_module
+    from pocketjax.serve.scheduler import Scheduler
+
+    engine = pj.Engine(pj.load_model(hf_checkpoint("qwen3_gqa4_headdim", eos_token_id=EOS)),
+                       **{**OPTIONS, "max_batch_size": 2})
+    greedy = pj.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = ([1, 2, 3], [4, 5, 6, 7])
+    sched = Scheduler(engine)
+    handles = [sched.submit(prompts[0], greedy)]
+    sched.step()
+    sched.step()
+    events = []
+    run = engine.device.run
+    monkeypatch.setattr(engine.device, "run", lambda name, *a: events.append(name) or run(name, *a))
+    monkeypatch.setattr(engine_module, "to_host", lambda x, read=engine_module.to_host: events.append("read") or read(x))
+    handles.append(sched.submit(prompts[1], greedy))
+    sched.step()
+    start = events.index("prefill")
+    assert events[start: start + 3] == ["prefill", "sample_first", "decode_sample"], events
+    assert len(handles[1].request.generated_tokens) == 1  # read in the same scheduler step, after the queueing
+    while sched.step():
+        pass
+    monkeypatch.undo()
+    for prompt, handle in zip(prompts, handles):  # the tokens of the request run alone
+        req = BatchedRequest("alone", prompt, greedy)
+        engine.allocate_slot(req)
+        tokens = engine.batch_prefill([req])
+        while not req.finished:
+            tokens += engine.batch_decode_step([req])
+        engine.free_slot(req.request_id)
+        assert handle.result().token_ids == tokens

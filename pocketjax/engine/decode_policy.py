@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from .pending import PendingDecode, PendingVerify
+from .pending import PendingDecode, PendingPrefill, PendingStep, PendingVerify
 from .request import BatchedRequest
 
 Requests = Sequence[BatchedRequest]
@@ -25,6 +25,15 @@ Requests = Sequence[BatchedRequest]
 def unguarded(call: Callable, *args: Any, alone: Callable | None = None, **kwargs: Any) -> Any:
     """The guard of a caller without failure isolation: the call, raising what it raises."""
     return call(*args, **kwargs)
+
+
+def _decoding(step: PendingStep | None) -> bool:
+    """Whether a decode or verify step is among `step` and the steps in flight before it."""
+    while step is not None and not step.collected:
+        if not isinstance(step, PendingPrefill):
+            return True
+        step = step.previous
+    return False
 
 
 class Timed(NamedTuple):
@@ -49,8 +58,28 @@ class DecodePolicy:
         self.engine = engine
         self.pipeline = pipeline
         self.clocked = clocked
-        self.pending: PendingDecode | PendingVerify | None = None  # the step in flight: read at the next advance
+        self.pending: PendingStep | None = None  # the latest step in flight: read at the next advance (with the
+        # steps before it that are still in flight: a prefill and the decode step before it)
         self._timed: Timed | None = None
+        self._prefill_guard: Callable = unguarded  # the guard of the requests of a prefill in flight
+
+    def prefill(self, requests: Requests, guard: Callable = unguarded, token_budget: int | None = None,
+                alone: Callable | None = None) -> None:
+        """One prefill call over `requests` (`Engine.prefill_dispatch`). Pipelined, its first tokens stay in flight
+        behind the decode step in flight and are read with it at the next `advance`, after the decode step that
+        follows them is queued: an admission drains nothing. Otherwise (speculation, `pipeline=False`) they are read
+        at once."""
+        if not requests:
+            return
+        deferred = self.pipeline and self.engine.speculator is None
+        step = guard(self.engine.prefill_dispatch, requests, token_budget=token_budget,
+                     after=self.pending if deferred else None, alone=alone)
+        if step is None:
+            return
+        if deferred:
+            self.pending, self._prefill_guard = step, guard
+        else:
+            guard(self.engine.collect, step)
 
     def advance(self, requests: Requests, guard: Callable = unguarded, deliver: Callable[[], None] = lambda: None,
                 timed: bool = True, waiting: bool = False) -> None:
@@ -77,19 +106,39 @@ class DecodePolicy:
         self.engine.batch_speculative_step([request])
 
     def _pipelined(self, requests: Requests, guard: Callable, steps: int = 1) -> None:
-        """Queue the next decode step behind the one in flight, then read that one (with nothing in flight: queue
-        two, read the first); each runs up to `steps` steps. Tokens read may end a request (a stop token or string);
+        """Queue the next decode step behind the one in flight, then read that one and what is in flight before it
+        (with no decode step in flight: queue two, read the first); each runs up to `steps` steps. Tokens read may end a request (a stop token or string);
         its row in the step queued after them is discarded by the engine."""
         pending, self.pending = self.pending, None
         several = {"steps": steps} if steps > 1 else {}
-        if pending is None and any(not r.finished for r in requests):
-            pending = guard(self.engine.decode_dispatch, requests, alone=self._decode_alone, **several)
+        if not _decoding(pending) and any(not r.finished for r in requests):
+            after = {"after": pending} if pending is not None else {}  # behind a prefill still in flight
+            first = guard(self.engine.decode_dispatch, requests, alone=self._decode_alone, **after, **several)
+            if first is None and pending is not None:  # it failed: the prefill before it is read all the same
+                self._collect(pending, guard)
+            pending = first
         if pending is None:
             return
         following = (guard(self.engine.decode_dispatch, requests, after=pending, **several)
                      if any(not r.finished for r in requests) else None)
-        if guard(self.engine.collect, pending) is not None:
+        if self._collect(pending, guard):
             self.pending = following
+
+    def _collect(self, step: PendingStep, guard: Callable) -> bool:
+        """Read `step` and the steps in flight before it, oldest first (a prefill's with the guard of its requests);
+        False when reading `step` itself failed. A step whose read failed counts as read (its requests failed), so
+        the ones after it are still read."""
+        chain = []
+        while step is not None and not step.collected:
+            chain.append(step)
+            step = step.previous
+        read = True
+        for step in reversed(chain):
+            own = self._prefill_guard if isinstance(step, PendingPrefill) else guard
+            read = own(self.engine.collect, step) is not None
+            if not step.collected:  # a guard over no live request skips the call: its rows are all discarded
+                self.engine.collect(step)
+        return read
 
     def _speculative(self, requests: Requests, guard: Callable, deliver: Callable[[], None], timed: bool) -> None:
         """A step that verifies reads the step in flight first (a draft needs its tokens), drafts on the host, queues

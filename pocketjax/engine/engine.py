@@ -28,7 +28,7 @@ from ..model.memory import check_fits, plan_memory
 from ..model.quant import untiled_params
 from ..model.sharding import init_sharded_cache, mesh_tp, to_host
 from .config import OFF, EngineConfig, use_compile_cache
-from .pending import PendingDecode, PendingVerify
+from .pending import PendingDecode, PendingPrefill, PendingVerify
 from .plan import STOP_WIDTH, SamplePlan, Signature, StepRules, decode_plans, prefill_plans, scored_positions
 from .request import BatchedRequest, RequestStatus, batch
 from .sampling import SampleOutput, logprob_entry
@@ -210,31 +210,95 @@ class Engine(SpeculativeSteps):
         Returns each request's first generated token. With `token_budget`, runs ONE device call over at most that
         many prompt tokens (FCFS) and returns None for requests whose prompt is not finished yet.
         """
-        if token_budget is not None and (not isinstance(token_budget, int) or isinstance(token_budget, bool)
-                                         or token_budget < 1):
-            raise RequestError(f"token_budget must be None or an int >= 1, got {token_budget!r}")
-        for req in batch(requests):
-            if self.requests.get(req.request_id) is not req:  # checked once, when the engine first sees it
-                self.validate(req)
-            self._slot(req)
-            if req.seed is None:
-                req.seed = req.sampling.seed if req.sampling.seed is not None else int(self.rng.integers(2**32))
-            if req.sampling.structured is not None and req.matcher is None:
-                req.matcher = self.constrainer.start(req.sampling.structured)
-            if req.sampling.steer and req.steering is None:
-                req.steering = steering_table(req, self.model)
-            if req.sampling.limited and req.limits is None:
-                req.limits = limits_of(req.sampling, self.model.config.vocab_size, sorted(self.eos_ids),
-                                       self.constrainer.tokenizer if self.constrainer is not None else None)
         results: dict[int, int] = {}
         while True:
-            pending = [r for r in requests if r.status is RequestStatus.PREFILLING]
-            if not pending:
+            step = self.prefill_dispatch(requests, token_budget)
+            if step is None:
                 break
-            self._prefill_call(self._plan_chunks(pending, token_budget), results)
+            results.update((id(r), t) for r, t in zip(step.requests, self.prefill_collect(step)) if t is not None)
             if token_budget is not None:
                 break
         return [results.get(id(r)) for r in requests]
+
+    def prefill_dispatch(self, requests: Sequence[BatchedRequest], token_budget: int | None = None,
+                         after: PendingDecode | PendingVerify | PendingPrefill | None = None) -> PendingPrefill | None:
+        """Queue ONE prefill call (prompt chunks of at most `token_budget` tokens in all, FCFS) and return without
+        reading anything; None when no request has prompt left.
+
+        A request whose prompt ends in it is DECODING at once with its first token in flight: the sampler wrote it
+        into the slot's state on device, so a decode step queued behind this one feeds it, and `prefill_collect`
+        reads it (and any prompt logprobs) later: an admission needs no host read of its own. `after`: the latest
+        step still in flight (collected before this one, as decode steps are)."""
+        if token_budget is not None and (not isinstance(token_budget, int) or isinstance(token_budget, bool)
+                                         or token_budget < 1):
+            raise RequestError(f"token_budget must be None or an int >= 1, got {token_budget!r}")
+        if after is not None and (after.collected or after.following is not None):
+            raise RequestError("after= must be the latest step dispatched and not collected yet")
+        for req in batch(requests):
+            self._prepare(req)
+        pending = [r for r in requests if r.status is RequestStatus.PREFILLING]
+        if not pending:
+            return None
+        chunks = self._plan_chunks(pending, token_budget)
+        step = PendingPrefill(list(requests), chunks, previous=after)
+        for req, n in chunks:
+            if req.sampling.prompt_logprobs is not None and req.num_prefilled == 0:
+                req.prompt_logprobs = [None]  # the first prompt token has no context
+        plan, first = prefill_plans(self.rules, chunks)
+        if first is not None:  # the first token's masks: each constrained matcher's start state
+            ending = [r if first.rows_on[i] else None for i, (r, _) in enumerate(chunks)]
+            first = self._constrain(first, ending + [None] * (plan.rows - len(chunks)))
+        logits, step.prompt_out, step.captured = self.device.run("prefill", plan)
+        for req, n in chunks:
+            step.starts.append(req.num_prefilled)
+            self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
+            req.num_prefilled += n
+        if first is not None:
+            masked = "_masked" if first.allowed is not None else ""
+            step.out = self.device.run("sample_first" + masked, logits, first)
+            step.rows = [(i, r) for i, (r, _) in enumerate(chunks) if first.rows_on[i] and not r.finished]
+            for _, r in step.rows:
+                r.status = RequestStatus.DECODING
+                r.in_flight += 1
+        return step
+
+    def prefill_collect(self, step: PendingPrefill) -> list[int | None]:
+        """Read a dispatched prefill (the one host read): each request's first token (None: its prompt did not end
+        in it, or it ended since), and the prompt logprobs of its chunks. In dispatch order, as decode steps."""
+        if step.collected:
+            return step.results
+        if step.previous is not None and not step.previous.collected:
+            raise RequestError("collect steps in the order they were dispatched")
+        step.previous = None
+        for _, r in step.rows:
+            r.in_flight -= 1
+        step.results = [None] * len(step.requests)  # collected even if the read raises: never delivered twice
+        if step.prompt_out is not None:
+            self._deliver_prompt_logprobs(step, step.prompt_out)
+        results: dict[int, int] = {}
+        kept = [(i, r) for i, r in step.rows if not r.finished]  # a request freed since: its token is discarded
+        if kept:
+            self._deliver(kept, step.out, results, step.captured)
+        step.results, step.out, step.prompt_out, step.captured = [results.get(id(r)) for r in step.requests], None, \
+            None, None
+        self._sample_following(step)
+        return step.results
+
+    def _prepare(self, req: BatchedRequest) -> None:
+        """What a request needs before its first prefill call (each part once): validation, its slot, seed, matcher,
+        steering table and token limits."""
+        if self.requests.get(req.request_id) is not req:  # checked once, when the engine first sees it
+            self.validate(req)
+        self._slot(req)
+        if req.seed is None:
+            req.seed = req.sampling.seed if req.sampling.seed is not None else int(self.rng.integers(2**32))
+        if req.sampling.structured is not None and req.matcher is None:
+            req.matcher = self.constrainer.start(req.sampling.structured)
+        if req.sampling.steer and req.steering is None:
+            req.steering = steering_table(req, self.model)
+        if req.sampling.limited and req.limits is None:
+            req.limits = limits_of(req.sampling, self.model.config.vocab_size, sorted(self.eos_ids),
+                                   self.constrainer.tokenizer if self.constrainer is not None else None)
 
     def _plan_chunks(self, pending: list[BatchedRequest], budget: int | None) -> list[tuple[BatchedRequest, int]]:
         chunks = []
@@ -247,36 +311,15 @@ class Engine(SpeculativeSteps):
             left -= n
         return chunks
 
-    def _prefill_call(self, chunks: list[tuple[BatchedRequest, int]], results: dict[int, int]) -> None:
-        for req, _ in chunks:
-            if req.sampling.prompt_logprobs is not None and req.num_prefilled == 0:
-                req.prompt_logprobs = [None]  # the first prompt token has no context
-        plan, first = prefill_plans(self.rules, chunks)
-        if first is not None:  # the first token's masks: each constrained matcher's start state
-            ending = [r if first.rows_on[i] else None for i, (r, _) in enumerate(chunks)]
-            first = self._constrain(first, ending + [None] * (plan.rows - len(chunks)))
-        logits, prompt_out, captured = self.device.run("prefill", plan)
-        for req, n in chunks:
-            self.slots.tokens[req.slot_id].extend(req.prompt_tokens[req.num_prefilled: req.num_prefilled + n])
-            req.num_prefilled += n
-        if first is not None:  # queued before the prompt logprobs are read, so the device samples while the host waits
-            masked = "_masked" if first.allowed is not None else ""
-            out = self.device.run("sample_first" + masked, logits, first)
-        if prompt_out is not None:
-            self._deliver_prompt_logprobs(chunks, prompt_out)
-        if first is not None:
-            ending = [(i, r) for i, (r, _) in enumerate(chunks) if first.rows_on[i] and not r.finished]
-            self._deliver(ending, out, results, captured)
-
     @staticmethod
-    def _deliver_prompt_logprobs(chunks: list[tuple[BatchedRequest, int]], out: SampleOutput) -> None:
+    def _deliver_prompt_logprobs(step: PendingPrefill, out: SampleOutput) -> None:
         """Append each scored row's prompt-token logprobs to its request (one transfer for the chunk): one per
         chunk position that has a following prompt token."""
         out = to_host(out)  # every process reads the same whole rows, even with dp across hosts
-        for i, (req, n) in enumerate(chunks):
+        for i, ((req, n), start) in enumerate(zip(step.chunks, step.starts)):
             k = req.sampling.prompt_logprobs
             if k is not None:
-                scored = scored_positions(req, req.num_prefilled - n, n)  # (num_prefilled already counts the chunk)
+                scored = scored_positions(req, start, n)
                 req.prompt_logprobs += [logprob_entry(out, (i, t), k) for t in range(scored)]
 
     # ---- decode --------------------------------------------------------------------------------------------------
@@ -356,8 +399,10 @@ class Engine(SpeculativeSteps):
         limit = min(sp.max_tokens, self.max_seq_len - len(req.prompt_tokens))
         return ids, limit - len(req.generated_tokens) - req.in_flight
 
-    def collect(self, step: PendingDecode | PendingVerify) -> list:
-        """Read a dispatched decode or verify step (`decode_collect` / `verify_collect`)."""
+    def collect(self, step: PendingDecode | PendingVerify | PendingPrefill) -> list:
+        """Read a dispatched step (`decode_collect` / `verify_collect` / `prefill_collect`)."""
+        if isinstance(step, PendingPrefill):
+            return self.prefill_collect(step)
         return self.verify_collect(step) if isinstance(step, PendingVerify) else self.decode_collect(step)
 
     def decode_collect(self, step: PendingDecode) -> list[int | None]:

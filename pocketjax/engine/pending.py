@@ -1,11 +1,12 @@
-"""A decode or verify step on its way: dispatched to the device, its tokens not yet read by the host.
+"""A prefill, decode or verify step on its way: dispatched to the device, its tokens not yet read by the host.
 
-`Engine.decode_dispatch` / `verify_dispatch` return one, `Engine.collect` reads it; `decode_policy.DecodePolicy` keeps
-the one in flight between scheduler steps.
+`Engine.prefill_dispatch` / `decode_dispatch` / `verify_dispatch` return one, `Engine.collect` reads it;
+`decode_policy.DecodePolicy` keeps the ones in flight between scheduler steps. Steps are collected in the order they
+were dispatched (each names the one before it, `previous`, until it is collected).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .plan import DecodePlan, SamplePlan, VerifyPlan, VerifySamplePlan
@@ -26,7 +27,7 @@ class PendingDecode:
     plan: DecodePlan  # the forward step's inputs
     sample: SamplePlan  # the sampler's
     out: SampleOutput | None = None  # None when no row was active (nothing was dispatched) or once collected
-    previous: PendingDecode | PendingVerify | None = None  # the step dispatched before this one, until this one
+    previous: PendingStep | None = None  # the step dispatched before this one, until this one
     # is collected (steps are collected in the order they were dispatched)
     results: list[int | None] | None = None  # set by decode_collect
     # Structured outputs: a step fed on device whose rows include constrained ones queues its forward pass only;
@@ -57,3 +58,28 @@ class PendingVerify:
     @property
     def collected(self) -> bool:
         return self.results is not None
+
+
+@dataclass(eq=False)
+class PendingPrefill:
+    """A dispatched prefill call (`Engine.prefill_dispatch`) whose first tokens and prompt logprobs stay on device
+    until `Engine.prefill_collect` reads them; the requests whose prompt ended in it are decoding already (their
+    first token is in their slot's state, so decode steps can be queued behind it)."""
+
+    requests: list[BatchedRequest]  # as given to prefill_dispatch: the order of prefill_collect's result
+    chunks: list[tuple[BatchedRequest, int]]  # row i: (request, prompt tokens of it this call writes)
+    starts: list[int] = field(default_factory=list)  # row i's first prompt position in this call
+    rows: list[tuple[int, BatchedRequest]] = field(default_factory=list)  # rows that sampled a first token
+    out: SampleOutput | None = None  # their first tokens; None when no prompt ended or once collected
+    prompt_out: SampleOutput | None = None  # the chunk's prompt logprobs when a row asked for them
+    captured: Any = None  # [rows, layers + 1, H] when a row asked for return_hidden
+    previous: PendingStep | None = None
+    results: list[int | None] | None = None  # set by prefill_collect
+    following: PendingDecode | None = None  # as PendingDecode.following
+
+    @property
+    def collected(self) -> bool:
+        return self.results is not None
+
+
+PendingStep = PendingDecode | PendingVerify | PendingPrefill

@@ -219,8 +219,8 @@ class Scheduler:
             batch = list(self.running)
         prefilling = [h for h in batch if h.request.status is RequestStatus.PREFILLING]
         decoding = [h for h in batch if h.request.status is RequestStatus.DECODING]
-        self._run(prefilling, self.engine.batch_prefill, [h.request for h in prefilling],
-                  token_budget=self.prefill_token_budget, alone=self._prefill_alone)
+        self.decoder.prefill([h.request for h in prefilling], guard=partial(self._run, prefilling),
+                             token_budget=self.prefill_token_budget, alone=self._prefill_alone)
         self.decoder.advance([h.request for h in decoding], guard=partial(self._run, decoding),
                              deliver=partial(self._hand_out, decoding), timed=not prefilling,
                              waiting=bool(prefilling or self.waiting))
