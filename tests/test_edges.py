@@ -117,7 +117,7 @@ def test_iteration_timeout_and_a_dead_loop_end_every_handle(model, monkeypatch):
         entered.set()
         raise SystemExit("injected")
 
-    monkeypatch.setattr(engine, "batch_prefill", die)
+    monkeypatch.setattr(engine, "prefill_dispatch", die)
     monkeypatch.setattr(threading, "excepthook", lambda args: None)  # the thread's death is the point
     sched = Scheduler(engine, max_waiting=16)
     handles = [sched.submit([i + 1, 2, 3], GREEDY) for i in range(5)]  # 2 admitted, 3 waiting

@@ -74,7 +74,7 @@ def test_generate_admits_its_prompts_as_one_batch(llm, monkeypatch):
     """generate queues every prompt before the loop can admit any (`Scheduler.submit_many`): however slowly the
     caller encodes them, the first prefill holds all of them, so the shapes compiled do not depend on the caller's
     speed (queued one at a time, the running loop prefilled the first prompt alone)."""
-    encode, prefill, sizes = llm.encode, llm.engine.batch_prefill, []
+    encode, prefill, sizes = llm.encode, llm.engine.prefill_dispatch, []
 
     def slow_encode(prompt):
         time.sleep(0.2)  # the loop, already running, would have admitted the prompts queued so far
@@ -85,6 +85,6 @@ def test_generate_admits_its_prompts_as_one_batch(llm, monkeypatch):
         return prefill(requests, **kwargs)
 
     monkeypatch.setattr(llm, "encode", slow_encode)
-    monkeypatch.setattr(llm.engine, "batch_prefill", recorded_prefill)
+    monkeypatch.setattr(llm.engine, "prefill_dispatch", recorded_prefill)
     outs = llm.generate(["def fibonacci(n):", "import os\n", "class Stack:"], GREEDY)
     assert sizes[0] == 3 and all(len(o.token_ids) == 10 for o in outs)

@@ -104,7 +104,7 @@ def test_a_requests_prompts_and_choices_are_admitted_as_one_batch(llm, client, m
     validated, the loop's first prefill holds all of them (submitted one at a time, the running loop prefilled the
     first alone while the next was being validated)."""
     sched, sizes = llm.scheduler, []
-    prepared, prefill = sched._prepared, llm.engine.batch_prefill
+    prepared, prefill = sched._prepared, llm.engine.prefill_dispatch
 
     def slow_prepared(*args):
         time.sleep(0.2)  # the loop, already running, would admit what was queued so far
@@ -115,7 +115,7 @@ def test_a_requests_prompts_and_choices_are_admitted_as_one_batch(llm, client, m
         return prefill(requests, **kwargs)
 
     monkeypatch.setattr(sched, "_prepared", slow_prepared)
-    monkeypatch.setattr(llm.engine, "batch_prefill", recorded_prefill)
+    monkeypatch.setattr(llm.engine, "prefill_dispatch", recorded_prefill)
     out = client.completions.create(model=NAME, prompt="class Stack:", max_tokens=4, temperature=1.0, seed=3, n=3)
     assert len(out.choices) == 3 and sizes[0] == 3, sizes
     sizes.clear()

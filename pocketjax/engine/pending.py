@@ -52,6 +52,7 @@ class PendingVerify:
     sample: VerifySamplePlan
     out: SampleOutput | None = None  # [rows, width] per field; None once collected
     accepted: Any = None  # int32 [rows] on device: drafts each row accepted
+    previous: PendingStep | None = None  # always None: a verify step is dispatched with nothing in flight
     results: list[list[int] | None] | None = None  # set by verify_collect
     following: PendingDecode | None = None  # as PendingDecode.following
 
