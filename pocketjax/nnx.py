@@ -35,10 +35,16 @@ def values(tree: Any) -> Any:
 
 
 def new_adapter(model: Model, lora: LoraConfig, key: jax.Array) -> Adapter:
-    """Fresh float32 pairs for every layer: lora_A from Flax's LoRA initializer, lora_B zeros (so delta W = 0)."""
-    shapes = layer_tensors(model.config)
+    """Fresh float32 pairs for every layer: lora_A from Flax's LoRA initializer, lora_B zeros (so delta W = 0).
+    Each layer's own tensors give the shapes: a mixture-of-experts layer has experts, not the dense MLP, so a target
+    it lacks is a ConfigError naming the layer (as loading such an adapter is)."""
     layers = []
     for i in range(model.config.num_layers):
+        shapes = layer_tensors(model.config, i)
+        missing = [name for name in lora.targets if name not in shapes]
+        if missing:
+            raise ConfigError(f"LoRA targets {missing} are not projections of layer {i} (a mixture-of-experts layer "
+                              f"holds experts instead of the dense MLP): target the attention projections")
         pairs = {}
         for j, name in enumerate(lora.targets):
             out, inp = shapes[name][1]

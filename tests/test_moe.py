@@ -241,3 +241,18 @@ def test_plan_memory_counts_the_experts_as_placed(moe, quantize):
     assert plan.weights == sum(per_device_bytes(loaded.params).values())
     assert plan.details["weights.experts"] > plan.details["weights.linear"] > 0
 
+
+
+def test_nnx_adapters_follow_each_layers_tensors(moe):
+    """pocketjax.nnx draws a fresh adapter from each layer's own tensors: on attention it serves a MoE model (B = 0:
+    the logits of the base, bit for bit); an MLP target that sparse layers lack is a ConfigError naming the layer."""
+    from pocketjax.errors import ConfigError
+    from pocketjax.model.lora import LoraConfig
+    from pocketjax.nnx import Decoder
+
+    _, model, _ = moe["qwen2_moe"]
+    tokens = np.asarray(prompts_of(model.config.vocab_size, 8, (7,)))
+    decoder = Decoder(model, LoraConfig(rank=2, alpha=4.0, targets=("q", "o")))
+    assert np.asarray(decoder(tokens)).tobytes() == np.asarray(Decoder(model)(tokens)).tobytes()
+    with pytest.raises(ConfigError, match=r"\['gate'\] are not projections of layer"):
+        Decoder(model, LoraConfig(rank=2, alpha=4.0, targets=("q", "gate")))
