@@ -38,7 +38,12 @@ def sampled(engine: Engine, seed: int) -> tuple[list[int], np.ndarray]:
     return prompt + req.generated_tokens, np.asarray(engine_logprobs, np.float32)
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+# CI's second leg runs two forms (the trainer's path under its JAX); every form's forward runs in both legs in the
+# invariance matrix, so the others run in the first leg only (~40 s).
+BOTH_LEGS = ("float32", "bfloat16-int4-fp8kv")
+
+
+@pytest.mark.parametrize("form", [f if f in BOTH_LEGS else pytest.param(f, marks=pytest.mark.leg1_only) for f in FORMS])
 def test_logprobs_and_loss_are_the_engines_bits(checkpoints, form):
     engine_options = FORMS[form][2]
     model = load(checkpoints, form)
