@@ -9,13 +9,13 @@ import pytest
 
 import pocketjax as pj
 from pocketjax.engine.engine import Engine
-from pocketjax.engine.request import BatchedRequest
 from pocketjax.engine.sampling_params import SamplingParams
 from pocketjax.errors import CheckpointError, ConfigError
 from pocketjax.model import cpu_kernels
 from pocketjax.model.config import ModelConfig
 
 from conftest import MOE_CONFIGS, MissingOracle, oracle
+from test_engine import run  # allocate, prefill and decode to completion; frees the slots
 
 torch = oracle("torch")
 transformers = oracle("transformers")
@@ -27,19 +27,6 @@ TOLERANCE = 1e-5
 def prompts_of(vocab: int, seed: int, lengths=(5, 19, 11)) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
-
-
-def run(engine: Engine, prompts, params: SamplingParams) -> list[BatchedRequest]:
-    """Allocate, prefill and decode to completion together; frees the slots."""
-    reqs = [BatchedRequest(i, list(p), params) for i, p in enumerate(prompts)]
-    for r in reqs:
-        engine.allocate_slot(r)
-    engine.batch_prefill(reqs)
-    while not all(r.finished for r in reqs):
-        engine.batch_decode_step(reqs)
-    for r in reqs:
-        engine.free_slot(r.request_id)
-    return reqs
 
 
 @pytest.fixture(scope="module")

@@ -279,8 +279,8 @@ class Engine(SpeculativeSteps):
         kept = [(i, r) for i, r in step.rows if not r.finished]  # a request freed since: its token is discarded
         if kept:
             self._deliver(kept, step.out, results, step.captured)
-        step.results, step.out, step.prompt_out, step.captured = [results.get(id(r)) for r in step.requests], None, \
-            None, None
+        step.out = step.prompt_out = step.captured = None
+        step.results = [results.get(id(r)) for r in step.requests]
         self._sample_following(step)
         return step.results
 
