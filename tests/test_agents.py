@@ -21,7 +21,8 @@ from conftest import served
 from pocketjax.serve.llm import DEFAULT_MODEL
 from pocketjax.serve.http.tool_calls import MAX_PARALLEL_CALLS
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
+pytestmark = [pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model"),
+              pytest.mark.leg1_only]  # HTTP / host-side: the same under any JAX
 NAME = "pocket-coder"
 SLOTS, CONTEXT = 4, 128  # test_server's engine shape: a shared session reuses its compiled steps
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}

@@ -18,6 +18,8 @@ from pocketjax.model import cpu_kernels
 from pocketjax.model.checkpoint import expected_shapes
 from pocketjax.model.config import DTYPES, ModelConfig
 
+pytestmark = pytest.mark.leg1_only  # the scripts on CPU; the GPU host runs its own in leg 2 (device_check --dry-run)
+
 RECORD_KEYS = {"system", "dtype", "concurrency", "prefill_tok_s", "decode_tok_s", "decode_ratio_vs_c1",
                "pct_bandwidth_roofline", "pct_matmul_peak", "decode_step_ms"}
 CHECK_KEYS = {"batched_vs_minimal_ratio", "minimal_loop_ms_per_token", "engine_c1_ms_per_token",

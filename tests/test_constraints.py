@@ -7,6 +7,8 @@ import pocketjax as pj
 from pocketjax.serve.http.api_error import APIError
 from pocketjax.serve.http.openai_protocol import ChatCompletionRequest, CompletionRequest
 
+pytestmark = pytest.mark.leg1_only  # HTTP / host-side: the same under any JAX (.ci/run's leg 2 runs the engine's tests)
+
 SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
 # Every schema this server enforces is closed, as tool schemas are (tool_calls.close_schema): written out here.
 CLOSED = {**SCHEMA, "additionalProperties": False}

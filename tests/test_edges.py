@@ -14,6 +14,8 @@ from pocketjax.serve.cli import main
 from pocketjax.serve.llm import DEFAULT_MODEL
 from pocketjax.serve.scheduler import Scheduler
 
+pytestmark = pytest.mark.leg1_only  # HTTP / host-side: the same under any JAX (.ci/run's leg 2 runs the engine's tests)
+
 GREEDY = pj.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 TIMEOUT = 120
 

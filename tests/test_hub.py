@@ -16,6 +16,8 @@ from pocketjax.model.hub import resolve_checkpoint
 from pocketjax.serve.llm import DEFAULT_MODEL
 from pocketjax.serve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.leg1_only  # HTTP / host-side: the same under any JAX (.ci/run's leg 2 runs the engine's tests)
+
 TINY, CODER = "tiny-org/tiny-qwen3", "pocket-org/pocket-coder"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 ROOT = Path(__file__).resolve().parents[1]

@@ -23,7 +23,8 @@ from pocketjax.serve.http.http_guard import ServerLimits
 from pocketjax.serve.http.server import BackgroundServer, create_app
 from pocketjax.serve.llm import DEFAULT_MODEL
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
+pytestmark = [pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model"),
+              pytest.mark.leg1_only]  # HTTP / host-side: the same under any JAX
 DOCUMENT = Path(__file__).resolve().parents[1] / "docs" / "openapi.json"
 KEY = "sesame"
 GENERATION = ("/v1/chat/completions", "/v1/messages")

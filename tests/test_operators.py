@@ -26,7 +26,8 @@ from pocketjax.serve.http.http_guard import (HTTP_PROTOCOL, MAX_DEFAULT_CONNECTI
 from pocketjax.serve.llm import DEFAULT_MODEL
 from pocketjax.serve.http.server import BackgroundServer, create_app
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
+pytestmark = [pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model"),
+              pytest.mark.leg1_only]  # HTTP / host-side: the same under any JAX
 SLOTS, CONTEXT = 4, 128  # test_server's engine shape: a shared session reuses its compiled steps
 NAME = "pocket-coder"
 

@@ -20,7 +20,8 @@ from pocketjax.serve.llm import DEFAULT_MODEL
 from pocketjax.serve.http.server import BackgroundServer, create_app
 from pocketjax.serve.template_sandbox import RenderLimits
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model")
+pytestmark = [pytest.mark.skipif(not (DEFAULT_MODEL / "model.safetensors").exists(), reason="no embedded model"),
+              pytest.mark.leg1_only]  # HTTP / host-side: the same under any JAX
 SLOTS, CONTEXT = 4, 128  # test_server's engine shape: the compiled steps are shared
 KEY = "secret-key"
 LIMITS = ServerLimits(max_body_bytes=1 << 20, body_timeout_s=1.0, header_timeout_s=1.0, max_prompt_chars=4000,

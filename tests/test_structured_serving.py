@@ -15,6 +15,8 @@ import pytest
 import pocketjax as pj
 from conftest import oracle, served
 
+pytestmark = pytest.mark.leg1_only  # HTTP / host-side: the same under any JAX (.ci/run's leg 2 runs the engine's tests)
+
 transformers = oracle("transformers")
 
 NAME = "qwen3"

@@ -18,7 +18,8 @@ from pocketjax.serve.http.tokenization import tokenization_router
 from pocketjax.serve.llm import DEFAULT_MODEL
 from pocketjax.serve.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_MODEL / "tokenizer.json").exists(), reason="no embedded model")
+pytestmark = [pytest.mark.skipif(not (DEFAULT_MODEL / "tokenizer.json").exists(), reason="no embedded model"),
+              pytest.mark.leg1_only]  # HTTP / host-side: the same under any JAX
 CONTEXT = 128
 
 

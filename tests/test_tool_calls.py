@@ -14,6 +14,8 @@ from pocketjax.serve.http.tool_call_parser import END, START, Arguments, ToolCal
 from pocketjax.serve.http.tool_calls import (MAX_PARALLEL_CALLS, close_schema, legacy_tool_request, template_messages,
                                              tool_request)
 
+pytestmark = pytest.mark.leg1_only  # HTTP / host-side: the same under any JAX (.ci/run's leg 2 runs the engine's tests)
+
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
            "required": ["city"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Météo", "parameters": WEATHER}},

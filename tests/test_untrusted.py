@@ -26,6 +26,8 @@ from pocketjax.serve.scheduler import Scheduler
 from pocketjax.serve.template_sandbox import RenderLimits
 from pocketjax.serve.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.leg1_only  # HTTP / host-side: the same under any JAX (.ci/run's leg 2 runs the engine's tests)
+
 SLOTS, MAX_LEN, CHUNK = 8, 128, 32  # test_scheduler's engine shape: the compiled steps are shared
 TIMEOUT = 120
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
