@@ -1,5 +1,6 @@
 """Random-weight Hugging Face checkpoints for benchmarks: `qwen3-micro` (smoke test), `qwen3-tiny` (CI-fast),
-`qwen3-0.6b` (real shapes) and `qwen3-moe` (Qwen3-30B-A3B's layers, shallow) beside `qwen3-moe-dense`.
+`qwen3-0.6b` (real shapes) and `qwen3-moe` (Qwen3-30B-A3B's layers, shallow) beside `qwen3-moe-dense`, with micro
+MoE models of both types (`qwen3-moe-micro`, `qwen2-moe-micro`).
 
 Weights are drawn with numpy and written with pocketjax's safetensors writer, so building the 0.6B preset takes
 seconds and needs no torch. transformers loads the folders as-is (same tensor names, config and dtype).
@@ -47,6 +48,19 @@ PRESETS = {
                       max_position_embeddings=40960, tie_word_embeddings=False),
     "qwen3-moe-dense": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
                             num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+                            tie_word_embeddings=False),
+    # micro MoE models for smoke tests, the GGUF writer's test and the GPU script's dry run: qwen3_moe (renormalized
+    # top-k) and qwen2_moe (no renormalization, a shared expert behind its sigmoid gate, biases on q/k/v)
+    "qwen3-moe-micro": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=512,
+                            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                            max_position_embeddings=1024, tie_word_embeddings=False),
+    "qwen2-moe-micro": dict(architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", attention_bias=True,
+                            vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=2,
+                            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                             tie_word_embeddings=False),
 }
 
@@ -114,35 +128,59 @@ def plant_outliers(src: str | Path, dst: str | Path, factor: float, channels: tu
     return dst
 
 
-# HF module name -> llama.cpp's GGUF tensor name (the names convert_hf_to_gguf.py writes for qwen2 / qwen3).
+# HF module name -> llama.cpp's GGUF tensor name (the names convert_hf_to_gguf.py writes for qwen2 / qwen3, and for
+# qwen2moe / qwen3moe: the router, the experts stacked [num_experts, out, in] as one tensor each, the shared expert).
 GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
                     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
                     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
                     "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-                    "mlp.down_proj": "ffn_down"}
+                    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+                    "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps",
+                    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 GGUF_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                      "lm_head.weight": "output.weight"}
+GGUF_FLOAT_MODULES = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # routers stay float32, as convert_hf_to_gguf.py keeps them
 
 
 def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name of an HF tensor; one expert's tensor (mlp.experts.<e>.<proj>) names its layer's stack."""
     if hf_name in GGUF_GLOBAL_NAMES:
         return GGUF_GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)  # model.layers.<n>.<module>.<weight|bias>
     module, kind = rest.rsplit(".", 1)
+    if module.startswith("mlp.experts."):
+        module = "mlp.experts." + module.rsplit(".", 1)[1]
     return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
 
 
+def gguf_tensors(folder: Path, cfg: ModelConfig) -> dict[str, list[str]]:
+    """GGUF tensor name -> the HF tensors it holds, in checkpoint order: one each, or a layer's experts in id order."""
+    names: dict[str, list[str]] = {}
+    for name in open_checkpoint(folder):
+        names.setdefault(gguf_tensor_name(name), []).append(name)
+    for name, parts in names.items():
+        if len(parts) > 1:
+            parts.sort(key=lambda n: int(n.split(".experts.")[1].split(".")[0]))
+            if len(parts) != cfg.moe.num_experts:
+                raise ValueError(f"{name}: {len(parts)} experts in the checkpoint, config says {cfg.moe.num_experts}")
+    return names
+
+
 def write_gguf(folder: str | Path, out: str | Path, dtype: str = "float32") -> Path:
-    """Write an HF Qwen2/Qwen3 folder's weights as a GGUF file for llama.cpp (needs the `gguf` package).
+    """Write an HF Qwen2/Qwen3 folder's weights (dense, or qwen2_moe / qwen3_moe) as a GGUF file for llama.cpp
+    (needs the `gguf` package).
 
     dtype: "float32", "float16", "bfloat16", or "q8_0" (every matrix, embedding and lm_head included, in llama.cpp's
     8-bit blocks of 32 with one float16 scale each, quantized by gguf's own reference `quants.quantize`, as
-    llama-quantize / convert_hf_to_gguf.py --outtype q8_0 write them).
+    llama-quantize / convert_hf_to_gguf.py --outtype q8_0 write them; routers stay float32 as there).
 
     For checkpoints without a tokenizer (the presets): the vocabulary is declared "no_vocab" with the model's size,
     which llama.cpp accepts for token-id input. Matrices keep their HF [out, in] layout (GGUF lists dims reversed,
     as llama.cpp expects) and Qwen's NEOX RoPE needs no Q/K permutation; 1-D norms are stored float32, as
-    convert_hf_to_gguf.py does. For a real checkpoint with tokenizer files prefer llama.cpp's own converter.
+    convert_hf_to_gguf.py does. A MoE layer's experts are stacked [num_experts, out, in] (llama.cpp's ffn_*_exps).
+    Tensors are streamed to the file one at a time (a MoE preset's float32 GGUF is larger than this machine's RAM
+    would hold twice). For a real checkpoint with tokenizer files prefer llama.cpp's own converter.
     """
     import gguf
 
@@ -150,7 +188,9 @@ def write_gguf(folder: str | Path, out: str | Path, dtype: str = "float32") -> P
     cfg = ModelConfig.from_folder(folder)
     if cfg.rope.rope_type != "default":
         raise ValueError(f"write_gguf handles default RoPE only, not {cfg.rope.rope_type!r}")
-    writer = gguf.GGUFWriter(str(out), cfg.model_type)
+    if cfg.moe is not None and not all(cfg.moe.sparse(n) for n in range(cfg.num_layers)):
+        raise ValueError("llama.cpp's qwen2moe / qwen3moe take sparse layers only (mlp_only_layers, sparse_step)")
+    writer = gguf.GGUFWriter(str(out), cfg.model_type.replace("_", ""))  # qwen3_moe -> llama.cpp's qwen3moe
     writer.add_block_count(cfg.num_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -163,24 +203,49 @@ def write_gguf(folder: str | Path, out: str | Path, dtype: str = "float32") -> P
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_tokenizer_model("no_vocab")
+    if cfg.moe is not None:  # llama.cpp normalizes qwen3moe's top-k weights and not qwen2moe's, as the configs do
+        writer.add_expert_count(cfg.moe.num_experts)
+        writer.add_expert_used_count(cfg.moe.top_k)
+        writer.add_expert_feed_forward_length(cfg.moe.intermediate_size)
+        if cfg.moe.shared_intermediate_size:
+            writer.add_expert_shared_feed_forward_length(cfg.moe.shared_intermediate_size)
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
                  "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     writer.add_file_type(file_type)
-    for name, file in open_checkpoint(folder).items():
-        array, raw = file.tensor(name), None
-        if array.ndim == 1 or dtype == "float32":
-            array = array.astype(np.float32)
-        elif dtype == "q8_0":
-            raw = gguf.GGMLQuantizationType.Q8_0
-            array = gguf.quants.quantize(array.astype(np.float32), raw)
-        elif dtype == "float16":
-            array = array.astype(np.float16)
-        else:
-            array, raw = array.astype(ml_dtypes.bfloat16).view(np.uint16), gguf.GGMLQuantizationType.BF16
-        writer.add_tensor(gguf_tensor_name(name), np.ascontiguousarray(array), raw_dtype=raw)
+    checkpoint, tensors = open_checkpoint(folder), gguf_tensors(folder, cfg)
+
+    def encoding(name: str, shape: tuple[int, ...]) -> tuple[np.dtype, object]:
+        """(numpy dtype, raw GGML type or None) a tensor is stored in."""
+        if len(shape) == 1 or dtype == "float32" or name.split(".")[-2] in GGUF_FLOAT_MODULES:
+            return np.dtype(np.float32), None
+        if dtype == "q8_0":
+            return np.dtype(np.uint8), gguf.GGMLQuantizationType.Q8_0
+        if dtype == "float16":
+            return np.dtype(np.float16), None
+        return np.dtype(np.uint16), gguf.GGMLQuantizationType.BF16
+
+    def shape_of(parts: list[str]) -> tuple[int, ...]:
+        one = tuple(checkpoint[parts[0]].header[parts[0]]["shape"])
+        return (len(parts), *one) if len(parts) > 1 else one
+
+    for name, parts in tensors.items():  # the table of contents first, then the data tensor by tensor
+        shape = shape_of(parts)
+        np_dtype, raw = encoding(name, shape)
+        stored = gguf.quant_shape_to_byte_shape(shape, raw) if raw == gguf.GGMLQuantizationType.Q8_0 else shape
+        writer.add_tensor_info(name, stored, np_dtype, int(np.prod(stored)) * np_dtype.itemsize, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for name, parts in tensors.items():
+        array = np.stack([checkpoint[p].tensor(p) for p in parts]) if len(parts) > 1 else checkpoint[parts[0]].tensor(parts[0])
+        np_dtype, raw = encoding(name, array.shape)
+        if raw == gguf.GGMLQuantizationType.Q8_0:
+            array = gguf.quants.quantize(array.astype(np.float32), raw)
+        elif raw == gguf.GGMLQuantizationType.BF16:
+            array = array.astype(ml_dtypes.bfloat16).view(np.uint16)
+        else:
+            array = array.astype(np_dtype)
+        writer.write_tensor_data(np.ascontiguousarray(array))
     writer.close()
     return out
 

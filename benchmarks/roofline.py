@@ -106,21 +106,37 @@ def itemsize(dtype: str) -> int:
     return jnp.dtype(dtype).itemsize
 
 
-def layer_matmul_params(config: ModelConfig) -> int:
-    """Weights of one decoder layer that a token multiplies through (q, k, v, o, gate, up, down)."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+def layer_matmul_params(config: ModelConfig) -> float:
+    """Weights of one decoder layer that a token multiplies through (q, k, v, o and its MLP), averaged over the layers:
+    a sparse layer counts its router, its top_k experts and its shared expert (`num_params(active=True)`)."""
+    h, d = config.hidden_size, config.head_dim
     q, kv = config.num_heads * d, config.num_kv_heads * d
-    return h * q + 2 * h * kv + q * h + 3 * h * i
+    mlp = sum(3 * h * config.intermediate_size if config.moe is None or not config.moe.sparse(n) else
+              config.moe.num_experts * h + 3 * h * (config.moe.top_k * config.moe.intermediate_size
+                                                    + config.moe.shared_intermediate_size)
+              for n in range(config.num_layers)) / config.num_layers
+    return h * q + 2 * h * kv + q * h + mlp
 
 
-def weight_bytes_per_step(config: ModelConfig, dtype: str, batch: int) -> int:
-    """Weight bytes one decode step reads: every layer, the norms and the full lm_head, plus `batch` embedding rows.
+def experts_read(num_experts: int, top_k: int, rows: int) -> float:
+    """Distinct experts a sparse layer reads for `rows` tokens, in expectation when each token's top_k are a uniform
+    draw: E (1 - (1 - k/E)^rows). Random-weight routers are close to uniform; a trained one is skewed (fewer)."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** rows)
+
+
+def weight_bytes_per_step(config: ModelConfig, dtype: str, batch: int) -> float:
+    """Weight bytes one decode step reads: every layer, the norms and the full lm_head, plus `batch` embedding rows;
+    of a sparse layer's experts only those its `batch` rows route to (`experts_read`: pocketjax's expert kernels read
+    the chosen experts in place, each once per step).
 
     A tied model's lm_head is the embedding matrix (read once, in full); an untied one reads its lm_head in full
     and only the looked-up rows of the embedding.
     """
-    h, v = config.hidden_size, config.vocab_size
-    total = config.num_params()
+    h, v, moe = config.hidden_size, config.vocab_size, config.moe
+    total = float(config.num_params(active=moe is not None))
+    if moe is not None:  # active counts top_k experts per sparse layer: a batch reads the union of its rows' experts
+        extra = experts_read(moe.num_experts, moe.top_k, batch) - moe.top_k
+        total += sum(extra * 3 * h * moe.intermediate_size for n in range(config.num_layers) if moe.sparse(n))
     if not config.tie_word_embeddings:
         total -= v * h - batch * h  # the untied embedding: only `batch` rows are gathered
     return total * itemsize(dtype)

@@ -7,15 +7,16 @@ import platform
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from types import SimpleNamespace
 
 from benchmarks import bench_engine, common, roofline
 from benchmarks.peers import launch
-from benchmarks.presets import PRESETS, gguf_tensor_name, preset_config
+from benchmarks.presets import PRESETS, build_preset, gguf_tensor_name, preset_config, write_gguf
 from pocketjax.model import cpu_kernels
-from pocketjax.model.checkpoint import expected_shapes
+from pocketjax.model.checkpoint import expected_shapes, open_checkpoint
 from pocketjax.model.config import DTYPES, ModelConfig
 
 pytestmark = pytest.mark.leg1_only  # the scripts on CPU; the GPU host runs its own in leg 2 (device_check --dry-run)
@@ -102,6 +103,23 @@ def test_decode_bytes_count_every_weight_once_plus_each_sequences_kv():
     assert roofline.decode_bytes(config, "bfloat16", 4, 100) == weights + 4 * 100 * per_token
     flops = roofline.prefill_flops(config, 1, 1)
     assert flops == 2 * 28 * roofline.layer_matmul_params(config) + 2 * 1024 * 151936 + 4 * 28 * 16 * 128
+
+
+def test_moe_decode_bytes_are_the_active_experts_at_one_row_and_their_union_beyond():
+    """Issue 68: one token reads its top_k experts (the active parameters), a batch the union of its rows' experts,
+    and a batch routed everywhere every expert; FLOPs count the active experts only."""
+    config = ModelConfig.from_dict(preset_config("qwen3-moe"))
+    moe, h, v = config.moe, config.hidden_size, config.vocab_size
+    untied_embedding = v * h - h  # one looked-up row read, not the table
+    assert roofline.weight_bytes_per_step(config, "bfloat16", 1) == 2 * (config.num_params(active=True)
+                                                                         - untied_embedding)
+    per_expert = 3 * h * moe.intermediate_size * config.num_layers
+    at8 = roofline.weight_bytes_per_step(config, "bfloat16", 8) / 2 - config.num_params(active=True) + v * h - 8 * h
+    assert at8 == pytest.approx(per_expert * (128 * (1 - (120 / 128) ** 8) - 8))  # ~51.6 experts of 128
+    everything = roofline.weight_bytes_per_step(config, "bfloat16", 10_000) / 2 + v * h - 10_000 * h
+    assert everything == pytest.approx(config.num_params())
+    dense = ModelConfig.from_dict(preset_config("qwen3-moe-dense"))  # the same active parameters per token
+    assert roofline.layer_matmul_params(config) == roofline.layer_matmul_params(dense) + moe.num_experts * h
 
 
 def test_roofline_fields_and_ratios_are_per_system():
@@ -298,3 +316,29 @@ def test_kernel_ab_times_each_version_in_one_process_on_its_own_kernel(tmp_path,
     assert [(r["weights"], r["rows"], r["calls"]) for r in records] == [("attention", 1, 4), ("attention", 3, 4)]
     with pytest.raises(RuntimeError, match="other bits"):
         kernel_ab.main(["--quick", "--weights", "attention", "--rows", "1", "--variant", str(broken)])
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-micro", "qwen2-moe-micro"])
+def test_a_moe_gguf_holds_each_layers_experts_stacked_as_llama_cpp_names_them(name, tmp_path):
+    """Issue 68's llama.cpp peer: the router (float32), the experts stacked [E, out, in] in id order as ffn_*_exps
+    (float32: the checkpoint's values; q8_0: gguf's own quantizer on that stack) and qwen2_moe's shared expert."""
+    gguf = pytest.importorskip("gguf")
+    folder = build_preset(name, tmp_path / name)
+    checkpoint = open_checkpoint(folder)
+    config = ModelConfig.from_folder(folder)
+    for kind in ("float32", "q8_0"):
+        reader = gguf.GGUFReader(write_gguf(folder, tmp_path / f"{kind}.gguf", kind))
+        tensors = {t.name: t for t in reader.tensors}
+        assert len(tensors) == len(checkpoint) - 3 * 2 * (config.moe.num_experts - 1)  # 3 stacks of E a layer
+        assert int(reader.fields["%s.expert_count" % config.model_type.replace("_", "")].parts[-1][0]) == 8
+        for layer in range(2):
+            stack = np.stack([checkpoint[n].tensor(n) for n in
+                              (f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight" for e in range(8))])
+            down = tensors[f"blk.{layer}.ffn_down_exps.weight"]
+            router = tensors[f"blk.{layer}.ffn_gate_inp.weight"]
+            assert router.tensor_type == gguf.GGMLQuantizationType.F32
+            expected = stack if kind == "float32" else gguf.quants.dequantize(
+                gguf.quants.quantize(stack, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0)
+            got = gguf.quants.dequantize(down.data, down.tensor_type).reshape(stack.shape)
+            np.testing.assert_array_equal(got, expected)
+        assert ("blk.1.ffn_gate_inp_shexp.weight" in tensors) == (name == "qwen2-moe-micro")
