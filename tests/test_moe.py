@@ -172,7 +172,7 @@ def test_sparse_layers_follow_transformers_rule():
     (dict(norm_topk_prob="yes"), "norm_topk_prob"),
     (dict(num_local_experts=4), "disagree"),
     (dict(moe_intermediate_size=0), "moe_intermediate_size"),
-    (dict(quantization_config={"quant_method": "awq", "bits": 4}), "not supported yet"),
+    (dict(quantization_config={"quant_method": "awq", "bits": 4, "version": "gemv"}), "version"),
 ])
 def test_bad_moe_configs_are_config_errors(change, message):
     with pytest.raises(ConfigError, match=message):
@@ -243,3 +243,121 @@ def test_nnx_adapters_follow_each_layers_tensors(moe):
     assert np.asarray(decoder(tokens)).tobytes() == np.asarray(Decoder(model)(tokens)).tobytes()
     with pytest.raises(ConfigError, match=r"\['gate'\] are not projections of layer"):
         Decoder(model, LoraConfig(rank=2, alpha=4.0, targets=("q", "gate")))
+
+
+# ---- AWQ / GPTQ MoE checkpoints ------------------------------------------------------------------------------------
+PREQUANTIZED = {  # case -> (model, method, checkpoint_format, sym)
+    "qwen3_moe-gptq": ("qwen3_moe", "gptq", "gptq", True),
+    "qwen3_moe-awq": ("qwen3_moe", "awq", None, False),
+    "qwen2_moe-gptq_v2": ("qwen2_moe", "gptq", "gptq_v2", False),
+}
+SHARED_64 = {"shared_expert_intermediate_size": 64}  # the fixture's 48 is no whole number of groups of 32
+
+
+def write_prequantized_moe(moe_checkpoint, tmp_path, name, method, fmt, sym, desc_act=False) -> dict[str, np.ndarray]:
+    """The fixture's random MoE checkpoint with every *_proj linear (attention, dense MLP, each expert, the shared
+    expert) replaced by random int4 packed as `method` / `fmt` store it, in tmp_path / "q"; the same weights
+    dequantized as a float checkpoint in tmp_path / "f" (router and shared-expert gate float in both). Returns
+    {HF name: intended [in, out] weight}: test_quant's writer, whose packing follows AutoAWQ's and auto-gptq's loops."""
+    from test_quant import write_prequantized
+
+    src = moe_checkpoint(name, **(SHARED_64 if name == "qwen2_moe" else {}))
+    return write_prequantized(src, tmp_path / "q", tmp_path / "f", method, fmt, sym, desc_act, seed=3)
+
+
+@pytest.mark.parametrize("case", sorted(PREQUANTIZED))
+def test_prequantized_moe_checkpoint_loads_exact_experts_and_matches_transformers(moe_checkpoint, tmp_path, case):
+    """Each layer's experts of a GPTQ (v1, v2) / AWQ GEMM MoE checkpoint load as one QuantizedWeight stacked [E, ...]
+    in quant.py's layout (what the native expert kernel takes) that dequantizes to exactly the (q - zero) * scale
+    written; the router and shared-expert gate stay float; plan_memory counts what is placed. In XLA's forms (every
+    weight dequantized, then a float product) the logits are transformers' on the float checkpoint of those weights
+    within the MoE parity bound; the native path adds int4's 16-bit activation rounding only."""
+    from pocketjax.model import quant
+    from pocketjax.model.checkpoint import EXPERT_PROJECTIONS
+    from pocketjax.model.decoder import forward_logits
+    from pocketjax.model.memory import per_device_bytes
+    from pocketjax.model.quant import QuantizedWeight
+    from test_quant import GROUP, rel_err
+
+    name, method, fmt, sym = PREQUANTIZED[case]
+    intended = write_prequantized_moe(moe_checkpoint, tmp_path, name, method, fmt, sym)
+    model = pj.load_model(tmp_path / "q")
+    config = model.config
+    for n, p in enumerate(model.params["layers"]):
+        if not config.sparse(n):
+            assert isinstance(p["down"], QuantizedWeight)
+            continue
+        for ours, proj in EXPERT_PROJECTIONS.items():
+            w = p[ours]
+            want = np.stack([intended[f"model.layers.{n}.mlp.experts.{e}.{proj}.weight"].T
+                             for e in range(config.moe.num_experts)])
+            assert isinstance(w, QuantizedWeight) and w.bits == 4 and w.group_size == GROUP and w.perm is None
+            np.testing.assert_array_equal(np.asarray(quant.dequantize(w)), want)
+            like = quant.quantize_host(want, 4)  # quant.py's own int4 experts of the same shape
+            assert [(np.shape(getattr(w, f)), getattr(w, f).dtype) for f in ("values", "scale", "zero")] == \
+                [(np.shape(getattr(like, f)), getattr(like, f).dtype) for f in ("values", "scale", "zero")]
+            assert cpu_kernels.expert_quantized_applies(w)
+        assert not isinstance(p["router"], QuantizedWeight) and p["router"].dtype == np.float32
+        if config.moe.shared_intermediate_size:
+            assert isinstance(p["shared_down"], QuantizedWeight)
+            assert not isinstance(p["shared_expert_gate"], QuantizedWeight)
+    assert pj.plan_memory(config, dtype="float32").weights == sum(per_device_bytes(model.params).values())
+
+    tokens = np.asarray(prompts_of(config.vocab_size, 9, (12, 12)))
+    if isinstance(transformers, MissingOracle):  # CI's torch-free leg: pocketjax's float model of the same weights
+        ref = np.asarray(pj.logits(pj.load_model(tmp_path / "f"), tokens))
+    else:
+        ref = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "f", dtype=torch.float32).eval(),
+                        tokens)
+    xla = np.asarray(forward_logits(model.params, config, tokens.astype(np.int32), impl="xla"))
+    np.testing.assert_allclose(xla, ref, atol=TOLERANCE, rtol=0)
+    # The native int4 kernels round activations to 16 bits per row: test_quant's bound for dense AWQ / GPTQ
+    native = np.asarray(pj.logits(model, tokens))
+    assert rel_err(native, ref) <= (5e-4 if cpu_kernels.available() else TOLERANCE), rel_err(native, ref)
+
+
+def packed_gptq(q: np.ndarray, zero: np.ndarray, scale: np.ndarray, prefix: str) -> dict[str, np.ndarray]:
+    """GPTQ v1's tensors of linear `prefix` from q [in, out], zero and scale [groups, out] (groups in input order)."""
+    from test_quant import reference_pack_gptq_cols, reference_pack_gptq_rows
+
+    rows = q.shape[0] // zero.shape[0]
+    return {prefix + ".qweight": reference_pack_gptq_rows(q), prefix + ".qzeros": reference_pack_gptq_cols(zero - 1),
+            prefix + ".scales": scale.astype(np.float16),
+            prefix + ".g_idx": np.arange(q.shape[0], dtype=np.int32) // rows}
+
+
+@pytest.mark.parametrize("defect, message", [
+    ("desc_act", "desc_act"), ("quantized router", "router"), ("mixed group sizes", "mixed group sizes"),
+    ("one expert float", "stored float")])
+def test_what_one_stacked_expert_weight_cannot_hold_is_a_config_error(moe_checkpoint, tmp_path, defect, message):
+    """A GPTQ MoE checkpoint pocketjax cannot read into its form is refused by name, not loaded wrong: a desc_act
+    expert permuting its input rows, a quantized router, one projection's experts stored with different group sizes,
+    or one expert float among quantized ones."""
+    import json
+    from pocketjax.model.checkpoint import open_checkpoint, write_safetensors
+
+    write_prequantized_moe(moe_checkpoint, tmp_path, "qwen3_moe", "gptq", "gptq", False, desc_act=defect == "desc_act")
+    folder = tmp_path / "q"
+    if defect != "desc_act":
+        tensors = {n: np.array(f.tensor(n)) for n, f in open_checkpoint(folder).items()}
+        rng, at = np.random.default_rng(4), "model.layers.1.mlp."
+        if defect == "quantized router":
+            del tensors[at + "gate.weight"]
+            tensors |= packed_gptq(rng.integers(0, 16, (64, 8)), np.full((2, 8), 8), np.full((2, 8), 0.01),
+                                   at + "gate")
+        elif defect == "mixed group sizes":  # expert 3's gate_proj in one group of 64 rows, the others in 32
+            for part in ("qweight", "qzeros", "scales", "g_idx"):
+                del tensors[f"{at}experts.3.gate_proj.{part}"]
+            tensors |= packed_gptq(rng.integers(0, 16, (64, 32)), np.full((1, 32), 8), np.full((1, 32), 0.01),
+                                   at + "experts.3.gate_proj")
+        else:
+            for part in ("qweight", "qzeros", "scales", "g_idx"):
+                del tensors[f"{at}experts.5.up_proj.{part}"]
+            tensors[at + "experts.5.up_proj.weight"] = rng.standard_normal((32, 64)).astype(np.float32)
+        folder = tmp_path / "bad"
+        folder.mkdir()
+        write_safetensors(folder / "model.safetensors", tensors)
+        (folder / "config.json").write_text((tmp_path / "q" / "config.json").read_text())
+    with pytest.raises(ConfigError, match=message):
+        pj.load_model(folder)
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"

@@ -299,13 +299,19 @@ def iter_params(folder: str | Path, config: ModelConfig, dtype: np.dtype) -> Ite
     if missing:
         raise CheckpointError(f"missing tensor(s) in checkpoint: {', '.join(missing[:5])}")
 
+    def part(n: str) -> np.ndarray:
+        return quantized_part(n, tensors[n].tensor(n))
+
     for path, name, shape in param_tensors(config):
-        if path[-1] in EXPERT_PROJECTIONS:  # one [out, in] tensor per expert, stacked as read
-            yield path, read_experts(tensors, name, shape, dtype)
+        if path[-1] in EXPERT_PROJECTIONS:  # one [out, in] tensor (or AWQ/GPTQ linear) per expert, stacked as read
+            experts = expert_names(name, shape[0])
+            if prequantized.quantized_experts(experts, quantized):
+                yield path, prequantized.read_experts(config.quantization, experts, *shape[1:], part)
+            else:
+                yield path, read_experts(tensors, name, shape, dtype)
             continue
         if name in quantized:  # an AWQ/GPTQ QuantizedWeight, read into quant.py's [out, in] layout
-            yield path, prequantized.read_linear(config.quantization, name.removesuffix(".weight"), *shape,
-                                                 lambda n: quantized_part(n, tensors[n].tensor(n)))
+            yield path, prequantized.read_linear(config.quantization, name.removesuffix(".weight"), *shape, part)
             continue
         array = check_float(name, tensors[name].tensor(name))
         if tuple(array.shape) != shape:

@@ -263,9 +263,6 @@ class ModelConfig:
             bias = bool(cfg.get("attention_bias", False))
         eos_ids = token_ids(cfg.get("eos_token_id"), "eos_token_id", cfg["vocab_size"])
         quantization = parse_quantization(cfg)
-        if quantization is not None and model_type in MOE_MODEL_TYPES:
-            raise ConfigError(f"{quantization.method} {model_type} checkpoints are not supported yet (load the float "
-                              f"checkpoint, optionally with quantize=)")
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],

@@ -78,7 +78,8 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
 
     dtype: weights and activations; quantize: None | a quant.MODES name (as load_model);
     a config with an AWQ/GPTQ `quantization` is planned as load_model places it (int4 linears with the checkpoint's
-    group, GPTQ desc_act's int32 permutation, the rest in dtype; it takes no `quantize`, as load_model).
+    group, a MoE layer's experts stacked as read, GPTQ desc_act's int32 permutation, the rest in dtype; it takes no
+    `quantize`, as load_model).
     kv_dtype: the cache (default: dtype; "int8" adds float32 per-token, per-head scales).
     """
     config = config_or_dict if isinstance(config_or_dict, ModelConfig) else ModelConfig.from_dict(config_or_dict)
@@ -110,10 +111,12 @@ def plan_memory(config_or_dict: ModelConfig | dict, tp: int = 1, dtype: str = "f
             path = (quant.QUANTIZED,) + path
             leaves = [(shape[:-2] + s, size) for s, size in
                       quant.leaf_shapes(*shape[-2:], quant.bits_for(mode, name)).values()]
-        elif stored is not None and name in quant.LINEAR_NAMES:  # prequantized.read_linear's QuantizedWeight
+        elif stored is not None and name in quant.LINEAR_NAMES | quant.MOE_LINEAR_NAMES:
+            # prequantized.read_linear's QuantizedWeight; stacked experts (read_experts) [E, ...], never permuted
             path = (quant.QUANTIZED,) + path
-            leaves = quant.leaf_shapes(*shape, stored.bits, stored.group_for(shape[1]),
-                                       perm=stored.method == "gptq" and stored.desc_act).values()
+            perm = stored.method == "gptq" and stored.desc_act and name not in quant.EXPERT_NAMES
+            leaves = [(shape[:-2] + s, size) for s, size in
+                      quant.leaf_shapes(*shape[-2:], stored.bits, stored.group_for(shape[-1]), perm=perm).values()]
         else:
             leaves = [(shape, a)]
         nbytes = sum(device_bytes(path, s, size, config, tp) for s, size in leaves)

@@ -10,6 +10,15 @@ GPTQ:      qweight int32 [in/8, out], nibble j of word r = input row 8r + j; qze
 
 Both are exactly quant.py's int4 form (asymmetric, group-wise), stored [in, out]: `read_linear` transposes them to
 quant.py's [out, in] on the host, so they share its dequantizing matmul.
+
+Mixture-of-experts checkpoints (qwen3_moe, qwen2_moe; e.g. Qwen/Qwen3-30B-A3B-GPTQ-Int4) store every expert as its
+own linear, model.layers.N.mlp.experts.E.gate_proj.{qweight,qzeros,scales(,g_idx)}, and the shared expert as dense
+linears. `read_experts` reads a layer's experts of one projection into one QuantizedWeight stacked [E, ...], the
+layout quant.py's expert-by-expert quantization gives, so the native expert kernel (`cpu_kernels.
+expert_quantized_matmul`) runs them. What one stacked weight cannot hold is a ConfigError: experts of one stack with
+different group sizes or some left float (one stack has one group size and one storage), a GPTQ desc_act expert
+whose g_idx permutes its input rows (the expert product gathers no per-expert input order), and a quantized router or
+shared-expert gate (routing reads a float weight in float32; released AWQ/GPTQ MoE checkpoints keep both float).
 """
 from __future__ import annotations
 
@@ -59,12 +68,17 @@ def tensor_shapes(qc: QuantizationConfig, prefix: str, out_features: int, in_fea
             prefix + ".scales": (groups, out_features), prefix + ".g_idx": (in_features,)}
 
 
+# A sparse layer's routing weights: read as float [out, in] weights by moe.route / sparse_mlp, never quantized here
+FLOAT_ONLY = ("mlp.gate.weight", "mlp.shared_expert_gate.weight")
+
+
 def stored_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], available: Collection[str]
                   ) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """(the tensors the checkpoint must hold, the names of the linear weights stored quantized).
 
     In an AWQ/GPTQ checkpoint a linear `X.weight` is stored as X.qweight/qzeros/scales(/g_idx) wherever X.qweight is
-    present; a linear left in float (modules_to_not_convert, lm_head) keeps its X.weight.
+    present; a linear left in float (modules_to_not_convert, lm_head) keeps its X.weight. Each expert of a MoE layer
+    is such a linear (`shapes` names them one by one). A quantized router or shared-expert gate is a ConfigError.
     """
     qc = config.quantization
     if qc is None:
@@ -73,6 +87,10 @@ def stored_shapes(config: ModelConfig, shapes: dict[str, tuple[int, ...]], avail
     quantized: set[str] = set()
     for name, shape in shapes.items():
         prefix = name.removesuffix(".weight")
+        if name.endswith(FLOAT_ONLY) and prefix + ".qweight" in available:
+            raise ConfigError(f"{prefix} is stored {qc.method}-quantized: pocketjax routes with a float router and "
+                              f"shared-expert gate (read in float32; a rounded router changes which experts a token "
+                              f"picks). Released {qc.method} MoE checkpoints keep them float (modules_to_not_convert)")
         if len(shape) == 2 and prefix + ".qweight" in available and name != "model.embed_tokens.weight":
             stored |= tensor_shapes(qc, prefix, *shape)
             quantized.add(name)
@@ -111,3 +129,37 @@ def read_linear(qc: QuantizationConfig, prefix: str, out_features: int, in_featu
     return QuantizedWeight(values=pack_int4(q.T, scale.shape[0]), scale=np.ascontiguousarray(scale.T),
                            zero=np.ascontiguousarray(zero.T),
                            perm=None if perm is None else perm.astype(np.int32), bits=4)
+
+
+def quantized_experts(names: list[str], quantized: Collection[str]) -> bool:
+    """Whether a stack of expert weights (`names`, one per expert) is stored quantized: all or none, else ConfigError
+    (one stacked weight is either a QuantizedWeight or a float array)."""
+    stored = [name in quantized for name in names]
+    if any(stored) and not all(stored):
+        floats = [name for name, q in zip(names, stored) if not q]
+        raise ConfigError(f"{len(floats)} of {len(names)} experts are stored float ({floats[0]}, ...) and the rest "
+                          f"quantized: pocketjax stacks a layer's experts of one projection into one weight, of one "
+                          f"storage")
+    return all(stored)
+
+
+def read_experts(qc: QuantizationConfig, names: list[str], out_features: int, in_features: int,
+                 tensor: Callable[[str], np.ndarray]) -> QuantizedWeight:
+    """One QuantizedWeight stacked [E, ...] from the experts' linears `names` (HF names ending .weight, one per
+    expert, each read by `read_linear`): the layout quant.quantize_host gives stacked experts, what the native expert
+    kernel reads. Experts with different group sizes, or a desc_act permutation, are ConfigErrors (see the module
+    docstring)."""
+    groups = {tuple(tensor(name.removesuffix(".weight") + ".scales").shape) for name in names}
+    if len(groups) > 1:
+        stack = names[0].removesuffix(".weight").replace(".experts.0.", ".experts.*.")
+        raise ConfigError(f"the experts {stack} have scales of shapes {sorted(groups)}: "
+                          f"mixed group sizes (e.g. GPTQModel's per-module `dynamic`) cannot stack into one weight "
+                          f"with one group size")
+    parts = [read_linear(qc, name.removesuffix(".weight"), out_features, in_features, tensor) for name in names]
+    permuted = [name for name, part in zip(names, parts) if part.perm is not None]
+    if permuted:
+        raise ConfigError(f"{permuted[0].removesuffix('.weight')}.g_idx permutes its input rows (GPTQ desc_act=true): "
+                          f"each expert would need its own input order, which the stacked expert product does not "
+                          f"gather; load a desc_act=false checkpoint")
+    leaves = {leaf: np.stack([getattr(part, leaf) for part in parts]) for leaf in ("values", "scale", "zero")}
+    return QuantizedWeight(**leaves, bits=4)
