@@ -3,6 +3,11 @@ what `warmup()` compiles (shapes, seconds) cold and from the cache. Prints a mar
 
     python benchmarks/startup.py [--model qwen3-tiny|qwen3-0.6b|PATH] [--max-seq-len N] [--max-batch-size N]
                                  [--json out/startup.json] [--no-warmup] [--scan-layers auto|on|off]
+    python benchmarks/startup.py --serve[="--no-warmup --model PATH ..."] [--json out/serve-startup.json]
+
+`--serve` times what a new user's `pocketjax serve` does instead (issue 67: listen at once, warm up beside): a fresh
+server process on an empty compile cache (the embedded model unless its arguments name another), /health polled
+every 0.25 s: when it first answers (503 "warming" while it warms up) and when it is ready (200).
 
 Each row is its own Python process (`--child`): import pocketjax, load the model, build the Engine, (warm up,)
 prefill one prompt and read its first token. "from launch" is the parent's wall clock from starting the process to
@@ -46,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the two warm-up rows")
     p.add_argument("--scan-layers", default="auto", choices=["auto", "on", "off"], help="load_model's scan_layers")
     add_options(p, cache_dir=DEFAULT_CACHE_DIR, json=None)
+    p.add_argument("--serve", nargs="?", const="", default=None, metavar="ARGS",
+                   help="time `pocketjax serve ARGS` to its first /health answer and to ready, on an empty cache")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # one measured process: its compile cache
     p.add_argument("--child-warmup", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -96,6 +103,45 @@ def measure(args: SimpleNamespace, folder: Path, cache: str, warm_up: bool) -> d
     return record
 
 
+def serve_times(serve_args: str, limit_s: float = 600.0) -> dict:
+    """A fresh `pocketjax serve` on an empty compile cache: seconds from launch to its first /health answer (and
+    that answer's status) and to its first 200."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as sock:  # a free port on the loopback
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cache = tempfile.mkdtemp(prefix="pocketjax-serve-cache-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")} | {VARIABLE: cache}
+    cmd = [sys.executable, "-m", "pocketjax", "serve", "--host", "127.0.0.1", "--port", str(port),
+           *serve_args.split()]
+    t0 = time.perf_counter()
+    server = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first, status = None, None
+    try:
+        while status != 200:
+            if server.poll() is not None or time.perf_counter() - t0 > limit_s:
+                raise SystemExit(f"{' '.join(cmd)} never became ready:\n{server.communicate()[1][-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+                    status = answer.status
+            except urllib.error.HTTPError as e:
+                status = e.code
+            except OSError:
+                status = None
+            if status is not None and first is None:
+                first = (time.perf_counter() - t0, status)
+            time.sleep(0.25)
+        return {"run": f"pocketjax serve {serve_args}".strip(), "first_answer_s": first[0], "first_status": first[1],
+                "ready_s": time.perf_counter() - t0}
+    finally:
+        server.terminate()
+        server.wait()
+        shutil.rmtree(cache, ignore_errors=True)
+
+
 def table(records: list[dict]) -> str:
     return markdown_table(["run", "from launch s", "import s", "load s", "engine s", "warm-up shapes", "warm-up s",
                            "first token s", "cache entries", "cache MiB"], (
@@ -109,6 +155,13 @@ def main(argv: list[str] | None = None) -> dict:
     if args.child is not None:
         print(json.dumps(child(args)))
         return {}
+    if args.serve is not None:
+        record = serve_times(args.serve)
+        out = {"machine": machine("jax", "backend", "cores", "loadavg", cores=usable_cores()), "records": [record]}
+        write_json(args.json, out)
+        print(markdown_table(["run", "first /health answer s", "its status", "ready (200) s"], [
+            [record["run"], f"{record['first_answer_s']:.1f}", record["first_status"], f"{record['ready_s']:.1f}"]]))
+        return out
     folder = model_folder(args.model, args.cache_dir, args.dtype)
     measure(args, folder, "off", False)  # unrecorded: the first process alone pays the disk and the OS's memory
     work = Path(tempfile.mkdtemp(prefix="pocketjax-startup-"))
