@@ -201,6 +201,23 @@ big xla 140 "$ALL_C"  # the first run also writes the random-weight checkpoint u
 big pallas 120 "$ALL_C"
 [ -n "$CMDBUF_RUN" ] && big "$CMDBUF_RUN" 60 "$CMDBUF_C"
 
+echo "== mixture-of-experts (issue 68): the qwen3-moe preset (Qwen3-30B-A3B's layer shapes: 128 experts, 8 active," \
+  "4 layers, random weights) beside qwen3-moe-dense (the same active parameters), bfloat16, xla attention, experts" \
+  "through XLA's grouped ragged_dot: tok/s at 1/8/32 requests" | tee -a "$OUT/summary.txt"
+moe_rc=0
+MOE_MODELS=(qwen3-moe qwen3-moe-dense) MOE_ARGS=(--prompt-len 128 --gen-len 32 --concurrency 1,8,32)
+if [ "$DRY" -eq 1 ]; then
+  skipped "the qwen3-moe shapes: qwen3-moe-micro and qwen2-moe-micro at 1/2 requests instead"
+  MOE_MODELS=(qwen3-moe-micro qwen2-moe-micro) MOE_ARGS=(--prompt-len 8 --gen-len 2 --concurrency 1,2)
+fi
+for model in "${MOE_MODELS[@]}"; do  # the first writes its 6 GB checkpoint under /tmp (~1 min)
+  capped $((120 * X)) "$PY" benchmarks/bench_engine.py --model "$model" "${MOE_ARGS[@]}" --dtype bfloat16 \
+    --repeats 1 --no-checks --breakdown --peers "" --attention xla --json "$OUT/engine_$model.json" 2>&1 \
+    | tee "$OUT/engine_$model.log"
+  rc=${PIPESTATUS[0]}; [ "$rc" -ne 0 ] && moe_rc=$rc
+  grep -E '^pocketjax c=' "$OUT/engine_$model.log" >> "$OUT/summary.txt"
+done
+
 echo "== kernel timings" | tee -a "$OUT/summary.txt"
 KERNEL_ARGS=(); [ "$DRY" -eq 1 ] && KERNEL_ARGS=(--smoke)  # every implementation once, interpreted, tiny
 capped 100 "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" "${KERNEL_ARGS[@]}" 2>&1 \
@@ -296,6 +313,6 @@ tail -n 3 "$OUT/triton_tests.log" >> "$OUT/summary.txt"
 
 echo "($SECONDS s of the ${BUDGET} s budget)" | tee -a "$OUT/summary.txt"
 echo "env rc=$env_rc issue66 rc=$decode66_rc tests rc=$test_rc triton rc=$triton_rc bench rc=$bench_rc" \
-  "engine rc=$engine_rc 0.6b rc=$big_rc" | tee -a "$OUT/summary.txt"
+  "engine rc=$engine_rc 0.6b rc=$big_rc moe rc=$moe_rc" | tee -a "$OUT/summary.txt"
 [ "$env_rc" -eq 0 ] && [ "$decode66_rc" -eq 0 ] && [ "$test_rc" -eq 0 ] && [ "$triton_rc" -eq 0 ] \
-  && [ "$bench_rc" -eq 0 ] && [ "$engine_rc" -eq 0 ] && [ "$big_rc" -eq 0 ]
+  && [ "$bench_rc" -eq 0 ] && [ "$engine_rc" -eq 0 ] && [ "$big_rc" -eq 0 ] && [ "$moe_rc" -eq 0 ]
