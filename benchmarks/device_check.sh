@@ -11,7 +11,8 @@
 # an H200, 2026-12-04: benchmarks/README.md "On a GPU"): the engine with each attention path (xla | pallas | triton):
 # greedy tokens equal to XLA's, and decode tok/s; the engine at Qwen3-0.6B shapes in bfloat16 (random weights) at
 # 1/8/32/64 requests under xla and pallas, each with its share of the measured read bandwidth (HBM) at 1, and pallas
-# at 1 request (launch-bound) with command buffers (CUDA graphs) the other way (jax#27988: $CMDBUF_FLAGS); the kernel
+# at 1 request (launch-bound) with command buffers (CUDA graphs) the other way (jax#27988: $CMDBUF_FLAGS); issue 68's
+# mixture-of-experts decode (qwen3-moe beside qwen3-moe-dense, experts through XLA's ragged_dot); the kernel
 # timings (our decode and prefill kernels beside XLA's attention, JAX's GQA kernel and cuDNN's
 # `jax.nn.dot_product_attention`, same shapes); the Pallas kernel tests compiled for the GPU (not interpreted) and
 # the Triton kernels' numerics through jax-triton. Run from the repo root on a machine whose python already has jax
