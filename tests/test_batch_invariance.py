@@ -230,12 +230,23 @@ def test_opaque_is_the_identity_bit_for_bit_and_keeps_nans(dtype):
     np.testing.assert_array_equal(got[is_nan], want[is_nan] | 1)
 
 
-def test_a_mixture_of_experts_request_is_the_same_bits_in_every_composition(moe_checkpoint):
-    """The matrix's cells for qwen2_moe (issue 68), speculation on: a token's experts and their products depend on its
-    own hidden state only (the router's sums fixed, each (token, expert) pair the product kernel's row), so batches,
-    chunks, a reused prefix and verify steps keep a request's bits, the shared expert and a dense layer among sparse
-    ones included. (qwen2_moe: measured cheaper here than qwen3_moe, 82 vs 100 s of CPU under load.) Apart from MATRIX,
-    whose forms other tests load from the dense checkpoints."""
-    model = pj.load_model(moe_checkpoint("qwen2_moe"))
-    cells = matrix_cells(model, seed=68, engine_options=dict(speculative=SPEC))
+MOE_FORMS = {  # name: (checkpoint, load_model options, Engine options)
+    "qwen2_moe-speculative": ("qwen2_moe", {}, dict(speculative=SPEC)),
+    # one TP2 engine: each device runs the expert kernels on its half of every expert (model/moe.py), the router,
+    # the shared expert and its gate on theirs, as "float32-tp2" does for a dense model
+    "qwen2_moe-tp2": ("qwen2_moe", dict(tp=2), {}),
+}
+
+
+@pytest.mark.parametrize("form", list(MOE_FORMS))
+def test_a_mixture_of_experts_request_is_the_same_bits_in_every_composition(moe_checkpoint, form):
+    """The matrix's cells for qwen2_moe (issue 68), with speculation on one device, and on a TP2 mesh: a token's
+    experts and their products depend on its own hidden state only (the router's sums fixed, each (token, expert) pair
+    the product kernel's row, per device on its shard under TP2, the shards' partial sums added in one fixed psum), so
+    batches, chunks, a reused prefix and verify steps keep a request's bits, the shared expert and a dense layer among
+    sparse ones included. (qwen2_moe: measured cheaper here than qwen3_moe, 82 vs 100 s of CPU under load.) Apart
+    from MATRIX, whose forms other tests load from the dense checkpoints."""
+    name, load_options, engine_options = MOE_FORMS[form]
+    model = pj.load_model(moe_checkpoint(name), **load_options)
+    cells = matrix_cells(model, seed=68, engine_options=engine_options)
     assert cells == {"batched": 4, "chunked": 2, "prefix": 2}

@@ -57,8 +57,9 @@ def test_prefill_logits_match_transformers(moe, name):
 
 
 def test_xla_forms_and_tp2_match_transformers(moe):
-    """Off the native CPU path (one device in XLA's forms; a "tp" mesh of two CPU devices, experts replicated) the
-    experts run as XLA's grouped product (`ragged_dot_general`): the same parity."""
+    """Off the native CPU path (one device in XLA's forms; `pj.logits` on a "tp" mesh of two CPU devices, each holding
+    half of every expert) the experts run as XLA's grouped product (`ragged_dot_general`, partitioned by XLA): the
+    same parity."""
     from pocketjax.model.decoder import forward_logits
 
     folder, model, hf = moe["qwen2_moe"]
@@ -361,3 +362,33 @@ def test_what_one_stacked_expert_weight_cannot_hold_is_a_config_error(moe_checkp
     with pytest.raises(ConfigError, match=message):
         pj.load_model(folder)
     assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == "gptq"
+
+
+@pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler: XLA's grouped product on the mesh")
+@pytest.mark.parametrize("quantize", [None, "int8"])
+def test_tp2_holds_half_of_each_expert_and_runs_the_expert_kernel_per_device(moe, quantize):
+    """On a "tp" mesh every expert is split as a dense MLP is (gate / up on their width, down on its input: each device
+    holds and reads half of each stack, int8 values leaf by leaf), and the engine's forms run the experts in
+    pocketjax's kernels per device (three calls per sparse layer in the program, none of XLA's grouped product, which
+    on CPU multiplies every expert), within float error of one device."""
+    import jax
+    from pocketjax.model.decoder import forward_logits
+
+    folder, model, _ = moe["qwen3_moe"]
+    two = pj.load_model(folder, tp=2, quantize=quantize)
+    for name, axis in (("expert_gate", 1), ("expert_up", 1), ("expert_down", 2)):
+        w = two.params["layers"][0][name]
+        w = w if quantize is None else w.values
+        halves = [s.data.shape for s in w.addressable_shards]
+        want = tuple(n // 2 if a == axis else n for a, n in enumerate(w.shape))
+        assert halves == [want, want], (name, w.shape, halves)
+    tokens = np.asarray(prompts_of(model.config.vocab_size, 9, (7, 7)), np.int32)
+    program = jax.jit(lambda p, t: forward_logits(p, two.config, t, impl="cpu")).lower(two.params, tokens).as_text()
+    kernel = "pocketjax_expert_matmul" if quantize is None else "pocketjax_expert_quantized_matmul"
+    calls = program.count(f"custom_call @{kernel}(")
+    assert calls == 3 * model.config.num_layers, f"{calls} calls of {kernel}"
+    one = model if quantize is None else pj.load_model(folder, quantize=quantize)
+    got = forward_logits(two.params, two.config, tokens, impl="cpu")
+    # int8: dense linears on a mesh take XLA's integer product (two-digit activations), not bitwise the kernel's
+    np.testing.assert_allclose(np.asarray(got), np.asarray(forward_logits(one.params, one.config, tokens, impl="cpu")),
+                               atol=TOLERANCE if quantize is None else 1e-3, rtol=0)

@@ -46,8 +46,13 @@ def native_forms(on: bool) -> Iterator[None]:
 def native(*arrays: jax.Array) -> bool:
     """True where the program being traced takes the native CPU kernels for `arrays`: asked for (`native_forms`),
     on the CPU backend, one device, and the kernels built (`cpu_kernels.available`)."""
-    return (_NATIVE.get() and jax.default_backend() == "cpu" and on_one_device(*arrays)
-            and cpu_kernels.available())
+    return native_anywhere() and on_one_device(*arrays)
+
+
+def native_anywhere() -> bool:
+    """`native` without the one-device condition: on a "tp" mesh the kernels then run per device on shards
+    (`sharding.over_weight`)."""
+    return _NATIVE.get() and jax.default_backend() == "cpu" and cpu_kernels.available()
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -104,7 +109,7 @@ def product(x: jax.Array, w: jax.Array, name: str | None = None) -> jax.Array:
     named weight (XLA cannot partition the kernel's call; the name says how the weight is split), else XLA's forms."""
     kernel = w.dtype in (jnp.float32, jnp.bfloat16)
     mesh = kernel_mesh(w) if kernel and name is not None else None
-    if mesh is not None and _NATIVE.get() and jax.default_backend() == "cpu" and cpu_kernels.available():
+    if mesh is not None and native_anywhere():
         return over_weight(native_product, x, w, weight_spec(name, w.shape, mesh_tp(mesh)), mesh)
     if kernel and native(x, w):
         return native_product(x, w)

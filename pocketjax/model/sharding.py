@@ -17,6 +17,12 @@ Megatron-style layout on a mesh axis "tp", optionally with a "dp" axis of replic
   divide by 2, 4 and 8.
 - The same rule for the MLP width: an intermediate_size that tp does not divide is replicated (every Qwen size
   divides by 8). Heads are the exception: tp must divide num_attention_heads, or loading raises ConfigError.
+- Mixture of experts (moe.py): each expert is a column/row-parallel MLP like the dense one, its stack [E, out, in]
+  split on the expert width (expert_gate / expert_up on out, expert_down on in, never on E), so every device holds
+  half of every expert and runs every routed pair on half the width, and one all-reduce follows down; a
+  moe_intermediate_size that tp does not divide is replicated. qwen2_moe's shared expert is split as the dense
+  MLP by its own width. The router and the shared expert's gate are replicated (each device computes the same float32
+  logits: routing never depends on the layout).
 - Norms, and o's bias (added after the all-reduce), are replicated.
 - "dp": params are replicated over it, the cache's slot axis is split over it. A decode step over every slot
   (the engine's dense path: row i is slot i) then runs each replica on its own slots with only small index
@@ -25,8 +31,9 @@ Megatron-style layout on a mesh axis "tp", optionally with a "dp" axis of replic
   on its own slots is what makes dp pay.
 
 Plain `jax.jit` runs the model: committed, sharded inputs make XLA's SPMD partitioner insert the collectives.
-Only the Pallas kernels, which XLA cannot partition, run per device inside `shard_map` on local heads
-(`attention_over_heads`, called by layers' dispatch). The mesh is read from the cache's type (`jax.typeof(x)
+Only the kernels, which XLA cannot partition, run per device inside `shard_map`: attention on local heads
+(`attention_over_heads`, called by layers' dispatch), and pocketjax's CPU products (experts included) on each
+device's shard of a weight (`over_weight`). The mesh is read from the cache's type (`jax.typeof(x)
 .sharding.mesh` names the mesh of a sharded jit argument even with automatic axes), or else from a
 `jax.set_mesh` context, so neither the model nor the engine passes it. shard_map is manual over "tp" only: a "dp"
 axis stays with XLA, which cannot split a GPU kernel call, so the kernels see every slot when dp > 1.
@@ -57,7 +64,10 @@ TP, DP = "tp", "dp"
 COLUMN_HEADS = ("q", "q_bias")  # always split: tp divides num_heads
 COLUMN_KV = ("k", "v", "k_bias", "v_bias")  # split when tp divides num_kv_heads, else replicated
 COLUMN_MLP = ("gate", "up")
-ROW = {"o": "heads", "down": "mlp"}
+COLUMN_SHARED = ("shared_gate", "shared_up")  # qwen2_moe's shared expert: a dense MLP of its own width
+COLUMN_EXPERTS = ("expert_gate", "expert_up")  # stacked experts [E, out, in]: split on out (the expert width)
+EXPERTS = COLUMN_EXPERTS + ("expert_down",)
+ROW = {"o": "heads", "down": "mlp", "shared_down": "shared", "expert_down": "experts"}
 
 
 def make_mesh(tp: int, devices: Sequence[Any] | None = None, *, dp: int | None = None) -> Mesh:
@@ -103,12 +113,17 @@ def param_spec(path: tuple, config: ModelConfig, tp: int) -> P:
     name = path[-1]
     if tp == 1:
         return P()
+    moe = config.moe
     split = {"heads": True, "kv": config.num_kv_heads % tp == 0, "mlp": config.intermediate_size % tp == 0,
-             "vocab": config.vocab_size % tp == 0}
-    if name in COLUMN_HEADS or (name in COLUMN_KV and split["kv"]) or (name in COLUMN_MLP and split["mlp"]):
-        return P(TP, None) if not name.endswith("_bias") else P(TP)
+             "vocab": config.vocab_size % tp == 0,
+             "experts": moe is not None and moe.intermediate_size % tp == 0,
+             "shared": moe is not None and moe.shared_intermediate_size % tp == 0}
+    lead = (None,) if name in EXPERTS else ()  # the expert axis is never split: every device runs every pair
+    if (name in COLUMN_HEADS or (name in COLUMN_KV and split["kv"]) or (name in COLUMN_MLP and split["mlp"])
+            or (name in COLUMN_SHARED and split["shared"]) or (name in COLUMN_EXPERTS and split["experts"])):
+        return P(*lead, TP, None) if not name.endswith("_bias") else P(TP)
     if name in ROW and split[ROW[name]]:
-        return P(None, TP)
+        return P(*lead, None, TP)
     if name in ("embed", "lm_head") and split["vocab"]:
         return P(TP, None)  # [vocab, hidden]
     return P()
@@ -118,7 +133,11 @@ def array_spec(path: tuple, shape: tuple[int, ...], config: ModelConfig, tp: int
     """The spec an array of `shape` at param `path` is placed with: param_spec where it splits the array evenly over
     tp, else replicated. Only quantized leaves can fall back: a row-parallel scale [out, groups] may have fewer groups
     than devices (int8: one), an int4 values leaf has half its weight's columns, a perm [in] is 1-D."""
-    spec = param_spec(path, config, tp)
+    return fitted(param_spec(path, config, tp), shape, tp)
+
+
+def fitted(spec: P, shape: tuple[int, ...], tp: int) -> P:
+    """`spec` where it splits an array of `shape` evenly over tp, else replicated (P())."""
     if len(spec) > len(shape) or any(dim % tp for dim, axes in zip(shape, spec) if axes is not None):
         return P()
     return spec
@@ -208,35 +227,47 @@ def kernel_mesh(cache: jax.Array):
 
 
 def weight_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
-    """How a product runs a float weight [out, in] named `name` per device: `param_spec`'s layout read from the name
-    and the shape (a product has no config): column-parallel names split `out`, row-parallel ones `in`, where tp
-    divides it, else replicated. A k / v weight whose kv heads are replicated (tp does not divide them) but whose
-    `out` divides is run split: XLA slices the replicated weight, the same values."""
+    """How a product runs a float weight [out, in] (stacked experts: [E, out, in]) named `name` per device:
+    `param_spec`'s layout read from the name and the shape (a product has no config): column-parallel names split
+    `out`, row-parallel ones `in`, where tp divides it, else replicated. A k / v weight whose kv heads are replicated
+    (tp does not divide them) but whose `out` divides is run split: XLA slices the replicated weight, the same
+    values."""
     out, inp = shape[-2:]
-    if name in COLUMN_HEADS + COLUMN_KV + COLUMN_MLP + ("embed", "lm_head"):
-        return P(TP, None) if out % tp == 0 else P()
+    lead = (None,) * (len(shape) - 2)
+    if name in COLUMN_HEADS + COLUMN_KV + COLUMN_MLP + COLUMN_SHARED + COLUMN_EXPERTS + ("embed", "lm_head"):
+        return P(*lead, TP, None) if out % tp == 0 else P()
     if name in ROW:
-        return P(None, TP) if inp % tp == 0 else P()
+        return P(*lead, None, TP) if inp % tp == 0 else P()
     return P()
 
 
-def over_weight(product: Callable, x: jax.Array, w: jax.Array, spec: P, mesh) -> jax.Array:
-    """product(x, w) for w [out, in] placed with `spec` (`weight_spec`), run per device under shard_map on "tp".
+def leaf_specs(w: Any, spec: P, tp: int) -> Any:
+    """The spec of each leaf of a weight placed with `spec`: the array's own, or for a QuantizedWeight [.., out, ...]
+    each leaf's where it divides (`fitted`, as the placer split them), else replicated (an int8 scale [.., out, 1]
+    of a row-parallel weight: per output row, so the whole scale serves each device's columns)."""
+    return jax.tree.map(lambda leaf: fitted(spec, leaf.shape, tp), w)
 
-    Why: XLA cannot partition pocketjax's product kernel (a custom call), and its own partitioned dots choose their
+
+def over_weight(product: Callable, x: jax.Array, w: Any, spec: P, mesh, *rows: jax.Array) -> jax.Array:
+    """product(x, w, *rows) for w [..., out, in] placed with `spec` (`weight_spec`), run per device under shard_map
+    on "tp". `w` may be a QuantizedWeight (leaves as `leaf_specs`); `rows` (the experts' ids) are replicated.
+
+    Why: XLA cannot partition pocketjax's product kernels (custom calls), and its own partitioned dots choose their
     summation order by shape, so TP2 was not batch-invariant. Column-parallel (out split): each device computes
     whole rows of sums, one device's bits. Row-parallel (in split): each device sums its half of `in`, then one psum
     adds the devices' partials, the same additions at every row count. Replicated: every device computes it all.
     """
-    column, row = (len(spec) > axis and spec[axis] == TP for axis in (0, 1))
+    spec = P(*spec, *(None,) * (len(w.shape) - len(spec)))
+    column, row = spec[-2] == TP, spec[-1] == TP
     lead = [None] * (x.ndim - 1)
 
-    def local(x, w):
-        y = product(x, w)
+    def local(x, w, *rows):
+        y = product(x, w, *rows)
         return jax.lax.psum(y, TP) if row else y
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(*lead, TP if row else None), spec),
-                         out_specs=P(*lead, TP if column else None), axis_names={TP}, check_vma=False)(x, w)
+    in_specs = (P(*lead, TP if row else None), leaf_specs(w, spec, mesh_tp(mesh))) + (P(),) * len(rows)
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=P(*lead, TP if column else None),
+                         axis_names={TP}, check_vma=False)(x, w, *rows)
 
 
 def attention_over_heads(kernel: Callable, q: jax.Array, kv: tuple[jax.Array, ...], *rows) -> jax.Array:
