@@ -71,8 +71,12 @@ def compile_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(hf_checkpoint) -> dict:
+    return one_process(hf_checkpoint(CHECKPOINT))
+
+
+def one_process(folder: Path) -> dict:
     """The worker's requests run in this one process, on one device."""
-    model = pj.load_model(hf_checkpoint(CHECKPOINT))
+    model = pj.load_model(folder)
     logits = np.asarray(pj.logits(model, LOGITS_PROMPT))
     with pj.LLM(model, max_batch_size=1, max_seq_len=256) as llm:
         outs = llm.generate(PROMPTS, pj.SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=2))
@@ -86,9 +90,21 @@ def test_two_processes_match_one(tp, dp, hf_checkpoint, reference, compile_cache
     returns the greedy tokens, logprobs and logits of one process, and a request that process 0 cancels ends
     "cancelled" on both, after the same tokens. New weights (`update_params` on every process) are served from
     the same step everywhere: what follows answers as a fresh LLM on them in the same job."""
+    assert_job_matches(hf_checkpoint(CHECKPOINT), reference, tp, dp, compile_cache, tmp_path)
+
+
+@pytest.mark.leg2_only  # a 2-process job compiled in both children (~1-2 min): the shorter leg runs it
+def test_a_moe_model_split_over_two_processes_matches_one(moe_checkpoint, compile_cache, tmp_path):
+    """Issue 68: a qwen3_moe job with tp=2 across the two processes (each expert split over them: sharding.py) answers
+    what one process does, and serves new weights from the same step on both."""
+    folder = moe_checkpoint("qwen3_moe")
+    assert_job_matches(folder, one_process(folder), 2, 1, compile_cache, tmp_path)
+
+
+def assert_job_matches(checkpoint: Path, reference: dict, tp: int, dp: int, compile_cache: Path,
+                       tmp_path: Path) -> None:
     out = tmp_path / "out.json"
-    codes, errs, _ = finish(start_job("generate", hf_checkpoint(CHECKPOINT), out, tp=tp, dp=dp, devices=1,
-                                      cache=compile_cache))
+    codes, errs, _ = finish(start_job("generate", checkpoint, out, tp=tp, dp=dp, devices=1, cache=compile_cache))
     assert codes == [0, 0], "\n".join(e[-3000:] for e in errs)
     results = [json.loads(Path(f"{out}.{i}").read_text()) for i in range(2)]
     for r in results:
