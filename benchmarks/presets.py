@@ -154,10 +154,10 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{layer}.{GGUF_LAYER_NAMES[module]}.{kind}"
 
 
-def gguf_tensors(folder: Path, cfg: ModelConfig) -> dict[str, list[str]]:
+def gguf_tensors(hf_names, cfg: ModelConfig) -> dict[str, list[str]]:
     """GGUF tensor name -> the HF tensors it holds, in checkpoint order: one each, or a layer's experts in id order."""
     names: dict[str, list[str]] = {}
-    for name in open_checkpoint(folder):
+    for name in hf_names:
         names.setdefault(gguf_tensor_name(name), []).append(name)
     for name, parts in names.items():
         if len(parts) > 1:
@@ -212,7 +212,8 @@ def write_gguf(folder: str | Path, out: str | Path, dtype: str = "float32") -> P
     file_type = {"float32": gguf.LlamaFileType.ALL_F32, "float16": gguf.LlamaFileType.MOSTLY_F16,
                  "bfloat16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[dtype]
     writer.add_file_type(file_type)
-    checkpoint, tensors = open_checkpoint(folder), gguf_tensors(folder, cfg)
+    checkpoint = open_checkpoint(folder)
+    tensors = gguf_tensors(checkpoint, cfg)
 
     def encoding(name: str, shape: tuple[int, ...]) -> tuple[np.dtype, object]:
         """(numpy dtype, raw GGML type or None) a tensor is stored in."""
